@@ -1,0 +1,34 @@
+"""Configuration: section dataclasses, the container, overrides and validation."""
+
+from tierstack.config.container import ConfigContainer, ConfigError
+from tierstack.config.sections import (
+    CheckpointConfig,
+    DatasetConfig,
+    DistributedConfig,
+    LoggerConfig,
+    MlflowConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RNGConfig,
+    SchedulerConfig,
+    StragglerConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigContainer",
+    "ConfigError",
+    "DatasetConfig",
+    "DistributedConfig",
+    "LoggerConfig",
+    "MlflowConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RNGConfig",
+    "SchedulerConfig",
+    "StragglerConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+]
