@@ -1,0 +1,126 @@
+"""GPT model provider over megatron-core ``GPTModel``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from tierstack.config import ConfigContainer
+
+log = logging.getLogger(__name__)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``.
+
+    This is the Megatron-LM rule (so the embedding splits evenly over TP ranks): 257 byte tokens with
+    divisor 4 and TP=2 gives 264.
+    """
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_engine_available() -> bool:
+    """True when transformer-engine imports (GPU extra)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a CUDA-less build failing at import
+        return False
+    return True
+
+
+def build_transformer_config(cfg: ConfigContainer):
+    """megatron-core ``TransformerConfig`` from the model, distributed and train sections."""
+    from megatron.core.transformer import TransformerConfig
+
+    from tierstack import platform
+
+    m = cfg.model
+    dtype = torch.bfloat16 if m.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        tensor_model_parallel_size=cfg.distributed.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.distributed.pipeline_model_parallel_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        bf16=m.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        # Gradient-accumulation fusion and the fused kernels need CUDA extensions.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        use_cpu_initialization=False,
+        sequence_parallel=False,
+        deallocate_pipeline_outputs=platform.has_gpu(),
+    )
+
+
+def _layer_spec(cfg: ConfigContainer):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    impl = cfg.model.transformer_impl
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise ImportError(
+            "model.transformer_impl=transformer_engine but transformer-engine is not importable; "
+            "install the GPU extra (`pip install 'tierstack[gpu]'`) or set model.transformer_impl=local"
+        )
+    from tierstack import platform
+
+    use_te = impl == "transformer_engine" or (
+        impl == "auto" and platform.has_gpu() and transformer_engine_available()
+    )
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+    return get_gpt_layer_local_spec(), "local"
+
+
+def gpt_model_provider(cfg: ConfigContainer, vocab_size: int) -> Callable[..., torch.nn.Module]:
+    """A megatron-style ``model_provider(pre_process, post_process)`` for this config.
+
+    Args:
+        cfg: the run config.
+        vocab_size: tokenizer vocabulary (unpadded); the model pads it with :func:`padded_vocab_size`.
+
+    Returns:
+        A function building one ``GPTModel`` stage on the current device (parameters fp32 on CPU,
+        bf16 when ``model.bf16``).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    tcfg = build_transformer_config(cfg)
+    spec, impl = _layer_spec(cfg)
+    padded = padded_vocab_size(
+        vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.distributed.tensor_model_parallel_size
+    )
+
+    def provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> torch.nn.Module:
+        log.debug("building GPTModel stage (impl=%s, padded vocab=%d)", impl, padded)
+        return GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=padded,
+            max_sequence_length=cfg.model.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            parallel_output=True,
+        )
+
+    provider.transformer_config = tcfg  # type: ignore[attr-defined]
+    provider.padded_vocab_size = padded  # type: ignore[attr-defined]
+    provider.transformer_impl = impl  # type: ignore[attr-defined]
+    return provider

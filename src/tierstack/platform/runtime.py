@@ -1,0 +1,208 @@
+"""Device, backend and process-group set-up: the one place that knows CPU from GPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tierstack.platform import cpu_compat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Ranks and sizes of this process in each parallel dimension."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    tensor_model_parallel_rank: int
+    pipeline_model_parallel_rank: int
+    data_parallel_rank: int
+
+    def topology(self) -> dict:
+        """Sizes only (what a LOCAL checkpoint must match to be loadable)."""
+        return {
+            "world_size": self.world_size,
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+        }
+
+
+def has_gpu() -> bool:
+    """True when a CUDA device can be used."""
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this rank computes on (``cuda:<local_rank>`` or ``cpu``)."""
+    if has_gpu():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_backend() -> str:
+    """``nccl`` on GPU, ``gloo`` on CPU."""
+    return "nccl" if has_gpu() else "gloo"
+
+
+def synchronize() -> None:
+    """Wait for queued device work (no-op on CPU); call before reading wall-clock timers."""
+    if has_gpu():
+        torch.cuda.synchronize()
+
+
+def memory_allocated_bytes() -> int:
+    """Bytes of device memory held by tensors on this rank (0 on CPU)."""
+    return int(torch.cuda.memory_allocated()) if has_gpu() else 0
+
+
+def get_rng_state() -> dict:
+    """RNG state of this process: python, numpy, torch CPU and (on GPU) CUDA generator + tracker."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if has_gpu():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore a state produced by :func:`get_rng_state`."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if has_gpu() and "torch_cuda" in state:
+        torch.cuda.set_rng_state(state["torch_cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize_distributed(
+    *,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    seed: int,
+    backend: Optional[str] = None,
+    timeout_s: float = 600.0,
+) -> ParallelLayout:
+    """Initialise torch.distributed from the torchrun environment and megatron's parallel groups.
+
+    A plain ``python`` launch (no ``RANK``/``WORLD_SIZE``) becomes a 1-rank group on a free local
+    port. On a machine without CUDA the CPU compatibility layer is activated first.
+
+    Args:
+        tensor_model_parallel_size / pipeline_model_parallel_size: megatron TP and PP sizes;
+            data-parallel size is ``world_size // (TP * PP)``.
+        seed: base seed; megatron offsets it per TP rank for the model-parallel RNG stream, and
+            pipeline stages get ``seed + 100 * pp_rank`` (the Megatron-LM convention).
+        backend: override of :func:`default_backend`.
+        timeout_s: collective timeout in seconds.
+
+    Raises:
+        ValueError: world size not divisible by TP * PP (names the distributed.* fields).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not has_gpu():
+        cpu_compat.activate()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size % (tensor_model_parallel_size * pipeline_model_parallel_size):
+        raise ValueError(
+            f"world size {world_size} is not divisible by distributed.tensor_model_parallel_size * "
+            f"distributed.pipeline_model_parallel_size = "
+            f"{tensor_model_parallel_size * pipeline_model_parallel_size}"
+        )
+    if has_gpu():
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend or default_backend(),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+        )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    seed_all(seed + 100 * pp_rank)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * pp_rank)
+    return current_layout()
+
+
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch generators of this process."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def current_layout() -> ParallelLayout:
+    """The :class:`ParallelLayout` of this process (megatron parallel state must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(),
+        tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
+        pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
+        data_parallel_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    try:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

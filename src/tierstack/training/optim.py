@@ -1,0 +1,98 @@
+"""Model wrapping (megatron DDP), optimizer and LR schedule, all from megatron-core."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tierstack.config import ConfigContainer
+
+
+def build_model(cfg: ConfigContainer, provider: Callable[..., torch.nn.Module]) -> list[torch.nn.Module]:
+    """Build this rank's pipeline stage and wrap it in megatron-core ``DistributedDataParallel``.
+
+    Returns:
+        A list with one model chunk (virtual pipeline stages are not used), on
+        :func:`tierstack.platform.device`, fp32 or bf16 per ``model.bf16``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from tierstack import platform
+
+    model = provider(
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
+    model.to(platform.device())
+    tcfg = provider.transformer_config  # type: ignore[attr-defined]
+    if cfg.model.bf16:
+        model = Float16Module(tcfg, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # our checkpoint preflight owns the non-finite check
+    )
+    ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=model)
+    # Parameters are initialised per TP rank from the tracker seed; DP replicas must agree exactly.
+    ddp.broadcast_params()
+    return [ddp]
+
+
+def build_optimizer(cfg: ConfigContainer, model: list[torch.nn.Module]):
+    """Adam via megatron-core ``get_megatron_optimizer`` (a ``ChainedOptimizer`` on 0.16).
+
+    Gradient clipping by global norm ``optimizer.clip_grad`` (0 disables) is applied inside
+    ``optimizer.step()``, which returns ``(update_successful, grad_norm, num_zeros)``.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = cfg.optimizer
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=cfg.model.bf16,
+        params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(ocfg, model)
+
+
+def build_scheduler(cfg: ConfigContainer, optimizer):
+    """megatron-core ``OptimizerParamScheduler``; steps are counted in iterations (``step(1)``).
+
+    Warmup is linear over ``scheduler.lr_warmup_iters`` from 0 to ``optimizer.lr``, then the decay
+    style over ``lr_decay_iters`` (default ``train.train_iters``) down to ``optimizer.min_lr``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s, o = cfg.scheduler, cfg.optimizer
+    decay_iters = s.lr_decay_iters or cfg.train.train_iters
+    start_wd = o.weight_decay if s.start_weight_decay is None else s.start_weight_decay
+    end_wd = o.weight_decay if s.end_weight_decay is None else s.end_weight_decay
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=s.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1),
+        lr_decay_style=s.lr_decay_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=cfg.train.train_iters,
+        wd_incr_style="constant" if start_wd == end_wd else "linear",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+        wsd_decay_steps=max(1, decay_iters // 10) if s.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style="cosine" if s.lr_decay_style == "WSD" else None,
+    )
