@@ -1,0 +1,281 @@
+"""Text and JSONL files -> a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``).
+
+Also the built-in corpus: the ``.py`` sources of the running interpreter's standard library,
+tokenized once and cached under ``dataset.cache_dir``.
+
+The ``tierstack preprocess`` command calls :func:`preprocess` (the CLI wiring lives in ``cli.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+logger = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl",)
+# Directories left out of the built-in corpus: test suites are ~60% of the stdlib's bytes, are
+# repetitive, and include files with deliberately broken encodings.
+_STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+)
+_CORPUS_FORMAT_VERSION = 1  # bump when the way the corpus is built changes, to invalidate caches
+STAMP_NAME = "stamp.json"
+
+
+@dataclass(frozen=True)
+class PreprocessStats:
+    """What :func:`preprocess` wrote.
+
+    Attributes:
+        num_files: input files read.
+        num_documents: documents written (one per text file, one per JSONL record).
+        num_skipped_empty: documents with no tokens and no end token, left out.
+        num_tokens: token ids written, end tokens included.
+        bytes_read: input size in bytes.
+        dtype: numpy dtype name of the ids in the .bin file (``uint16`` or ``int32``).
+        bin_path, idx_path: the files written.
+        seconds: wall time.
+    """
+
+    num_files: int
+    num_documents: int
+    num_skipped_empty: int
+    num_tokens: int
+    bytes_read: int
+    dtype: str
+    bin_path: str
+    idx_path: str
+    seconds: float
+
+
+def _documents(path: Path) -> Iterator[str]:
+    """Yield the documents of one file.
+
+    A ``.jsonl`` file yields the ``"text"`` of each non-blank line; any other file is one document,
+    decoded as UTF-8 with invalid bytes replaced by U+FFFD.
+
+    Raises:
+        ValueError: a JSONL line that is not UTF-8 or JSON, or has no ``"text"`` string; the message
+            names the file and the 1-based line number.
+    """
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        yield path.read_bytes().decode("utf-8", errors="replace")
+        return
+    with open(path, "rb") as stream:
+        for lineno, raw in enumerate(stream, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{path}:{lineno}: not a valid JSON line ({err})") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: the record has no \"text\" string")
+            yield text
+
+
+def _encode(tokenizer, text: str, append_eod: bool) -> np.ndarray:
+    """Token ids of one document as a 1-D int64 array, with the end id appended if asked.
+
+    Raises:
+        ValueError: the tokenizer returned an id outside ``0 .. vocab_size - 1``.
+    """
+    fast = getattr(tokenizer, "tokenize_array", None)
+    ids = fast(text) if fast is not None else np.asarray(tokenizer.tokenize(text), dtype=np.int64)
+    if append_eod:
+        ids = np.concatenate([ids, np.asarray([tokenizer.eod], dtype=ids.dtype)])
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
+        raise ValueError(
+            f"tokenizer returned ids in {int(ids.min())}..{int(ids.max())}, outside its "
+            f"vocabulary 0..{tokenizer.vocab_size - 1}"
+        )
+    return ids
+
+
+def preprocess(
+    inputs: Sequence[str | Path],
+    output_prefix: str | Path,
+    tokenizer,
+    append_eod: bool = True,
+) -> PreprocessStats:
+    """Tokenize files into ``<output_prefix>.bin`` / ``.idx`` (megatron-core ``IndexedDataset``).
+
+    Args:
+        inputs: plain text files (one document each) and ``.jsonl`` files (one ``{"text": ...}``
+            document per line; blank lines are skipped), read in the order given.
+        output_prefix: path without extension; parent directories are created.
+        tokenizer: anything with ``tokenize(str) -> list[int]``, ``eod`` and ``vocab_size``.
+        append_eod: end every document with ``tokenizer.eod`` (GPT-style document separation).
+
+    Each document is one sequence and one document of the indexed dataset. Ids are stored as
+    ``uint16`` when the vocabulary has fewer than 65500 ids, else ``int32`` (megatron-core's
+    ``DType.optimal_dtype``). Empty documents without an end token are skipped.
+
+    The files are written under temporary names and renamed at the end, so an error leaves no
+    ``.bin``/``.idx`` behind (and does not touch files already at the prefix).
+
+    Returns:
+        PreprocessStats.
+
+    Raises:
+        FileNotFoundError: an input is missing.
+        ValueError: a bad JSONL line (file and 1-based line number named), no inputs, or ids outside
+            the vocabulary.
+    """
+    t0 = time.perf_counter()
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise ValueError("preprocess needs at least one input file")
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"preprocess input {str(p)!r} is not a file")
+    prefix = Path(output_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp_bin, tmp_idx = bin_path + tag, idx_path + tag
+
+    num_docs = num_skipped = num_tokens = bytes_read = 0
+    builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+    try:
+        for path in paths:
+            bytes_read += path.stat().st_size
+            for text in _documents(path):
+                ids = _encode(tokenizer, text, append_eod)
+                if ids.size == 0:
+                    num_skipped += 1
+                    continue
+                builder.add_document(ids, [int(ids.size)])
+                num_docs += 1
+                num_tokens += int(ids.size)
+        builder.finalize(tmp_idx)
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_idx, idx_path)
+    finally:
+        builder.data_file.close()
+        for leftover in (tmp_bin, tmp_idx):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return PreprocessStats(
+        num_files=len(paths),
+        num_documents=num_docs,
+        num_skipped_empty=num_skipped,
+        num_tokens=num_tokens,
+        bytes_read=bytes_read,
+        dtype=np.dtype(dtype).name,
+        bin_path=bin_path,
+        idx_path=idx_path,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def stdlib_corpus_files() -> list[Path]:
+    """The ``.py`` files of the running interpreter's standard library, sorted by path.
+
+    Root: ``sysconfig.get_paths()["stdlib"]``. Left out: ``site-packages``/``dist-packages``,
+    ``__pycache__``, and test suites (directories named ``test``, ``tests``, ``idle_test``). On
+    CPython 3.11 that is ~800 files, ~12.6 MB.
+
+    Raises:
+        FileNotFoundError: the standard library directory does not exist or has no ``.py`` files.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so os.walk never descends into site-packages (it can be huge).
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"no .py files under the standard library directory {root}")
+    return sorted(files)
+
+
+def _corpus_key(files: Sequence[Path], tokenizer) -> str:
+    """sha256 over the file list (path, size, mtime), the Python version and the tokenizer."""
+    listing = []
+    for p in files:
+        st = p.stat()
+        listing.append([str(p), st.st_size, st.st_mtime_ns])
+    payload = {
+        "format": _CORPUS_FORMAT_VERSION,
+        "python": list(sys.version_info[:3]),
+        "tokenizer": dict(tokenizer.unique_identifiers),
+        "files": listing,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _stamp_matches(directory: Path, key: str, tokenizer_name: str) -> bool:
+    """True if ``directory`` holds the .bin, .idx and a stamp for this key and tokenizer."""
+    prefix = directory / "stdlib"
+    if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
+        return False
+    try:
+        stamp = json.loads((directory / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp.get("files_sha256") == key and stamp.get("tokenizer") == tokenizer_name
+
+
+def ensure_stdlib_corpus(cache_dir: str | Path, tokenizer) -> str:
+    """Build the standard-library corpus once and return its prefix (no .bin/.idx extension).
+
+    Layout: ``<cache_dir>/corpus/stdlib-<tokenizer.name>-<key>/{stdlib.bin, stdlib.idx, stamp.json}``
+    where ``key`` hashes the file list (paths, sizes, mtimes), the Python version and the tokenizer.
+    A directory whose stamp matches is reused without reading any source file.
+
+    Concurrency: the corpus is built in a private temporary directory and published with one
+    atomic directory rename, so ranks that call this at the same time never see a partial corpus;
+    a loser of the race discards its copy. (Callers still do better to build on one rank first and
+    barrier, which saves the duplicate work.)
+
+    Returns:
+        the prefix as a string, e.g. ``.../stdlib-byte-0123abcd4567ef89/stdlib``.
+    """
+    files = stdlib_corpus_files()
+    key = _corpus_key(files, tokenizer)
+    root = Path(cache_dir).expanduser() / "corpus"
+    final = root / f"stdlib-{tokenizer.name}-{key[:16]}"
+    if _stamp_matches(final, key, tokenizer.name):
+        return str(final / "stdlib")
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-stdlib-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        stats = preprocess(files, tmp / "stdlib", tokenizer, append_eod=True)
+        stamp = {"files_sha256": key, "tokenizer": tokenizer.name, "stats": asdict(stats)}
+        (tmp / STAMP_NAME).write_text(json.dumps(stamp, indent=2))
+        if final.exists() and not _stamp_matches(final, key, tokenizer.name):
+            # A damaged copy (e.g. files deleted by hand): move it aside, never publish over it.
+            shutil.rmtree(final.rename(root / f".stale-{uuid.uuid4().hex[:8]}"), ignore_errors=True)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not _stamp_matches(final, key, tokenizer.name):
+                raise
+            # Another process published the same corpus first; ours is redundant.
+        else:
+            logger.info(
+                "built the stdlib corpus: %d files, %d documents, %d tokens in %.1f s -> %s",
+                stats.num_files, stats.num_documents, stats.num_tokens, stats.seconds, final,
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final / "stdlib")
