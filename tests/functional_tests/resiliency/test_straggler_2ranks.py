@@ -1,0 +1,37 @@
+"""Two CPU ranks under torchrun: the rank that sleeps in its step is reported, and both agree to stop."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("straggler_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.slow
+def test_slow_rank_is_reported_by_rank_and_node_and_stop_is_agreed(tmp_path):
+    proc = subprocess.run(
+        [str(TORCHRUN), "--nproc-per-node", "2", str(WORKER), str(tmp_path), "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    node = socket.gethostname()
+    assert f"STRAGGLERS: rank 1 on {node}" in log
+    assert "[rank0] WARNING tierstack.resiliency.straggler" in log  # only rank 0 reports
+
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank_view in seen:
+        (report,) = rank_view["reports"]  # the first report already stops the loop
+        assert report["iteration"] == 8 and rank_view["last_iteration"] == 8
+        assert report["stragglers"] == [[1, node]]
+        assert report["should_stop"] is True
+    metrics = seen[0]["reports"][0]["metrics"]
+    assert metrics["straggler/train_step_relative_min"] < 0.7 <= metrics["straggler/train_step_relative_max"]
+    assert seen[1]["reports"][0]["metrics"] == {}  # metrics live on rank 0
