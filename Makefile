@@ -1,0 +1,21 @@
+# The two commands of the README. Each creates .venv on first use (scripts/setup.sh).
+VENV := .venv
+NPROC ?= 2
+ARGS ?=
+
+.PHONY: venv pretrain test test-fast bench
+
+venv:
+	@bash scripts/setup.sh
+
+## Main job: gpt_tiny on the Python standard library sources, TP=2 on 2 ranks, LOCAL + GLOBAL checkpoints.
+pretrain: venv
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) recipes/gpt_tiny.py $(ARGS)
+
+## All tests, multi-rank torchrun scenarios included.
+test: venv
+	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider
+
+## Unit tests only (no torchrun scenarios).
+test-fast: venv
+	$(VENV)/bin/python -m pytest tests -q -m "not slow"

@@ -1,0 +1,17 @@
+"""tierstack: Megatron-style LLM pretraining with LOCAL and GLOBAL checkpoint tiers.
+
+Entry point: :func:`pretrain` with a :class:`ConfigContainer`.
+"""
+
+from tierstack.config import ConfigContainer, ConfigError
+
+
+def pretrain(config, forward_step_func=None):
+    """See :func:`tierstack.training.pretrain.pretrain` (imported lazily: megatron-core is slow to import)."""
+    from tierstack.training.pretrain import pretrain as _pretrain
+
+    return _pretrain(config, forward_step_func)
+
+
+__all__ = ["ConfigContainer", "ConfigError", "pretrain"]
+__version__ = "0.1.0"

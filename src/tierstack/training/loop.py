@@ -1,0 +1,152 @@
+"""Train and evaluation steps over megatron-core's ``get_forward_backward_func``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from tierstack import platform
+from tierstack.config import ConfigContainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (identical on every rank).
+
+    Attributes:
+        loss: mean per-token training loss over the global batch (nats).
+        grad_norm: global gradient norm before clipping, or nan when not reported.
+        update_successful: False when the optimizer skipped the update (non-finite gradients).
+        seconds: wall time of the step (forward, backward, optimizer), seconds.
+        tokens: tokens in the global batch.
+    """
+
+    loss: float
+    grad_norm: float
+    update_successful: bool
+    seconds: float
+    tokens: int
+
+
+def num_microbatches(cfg: ConfigContainer, data_parallel_size: int) -> int:
+    """Micro-batches per step on each data-parallel rank: global / (micro * DP)."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size)
+
+
+def reduce_loss_across_ranks(losses_reduced: list[dict]) -> float:
+    """Mean per-token loss of a global batch, the same value on every rank.
+
+    Only last-stage ranks hold losses; tensor-parallel peers hold the same ones, so only TP rank 0
+    of the last stage contributes to one world all-reduce of ``[loss_sum, num_tokens]``.
+    This is a sync point.
+    """
+    from megatron.core import parallel_state as ps
+
+    acc = torch.zeros(2, dtype=torch.float64, device=platform.device())
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        for item in losses_reduced:
+            acc += item["lm loss"].to(acc)
+    dist.all_reduce(acc)
+    return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
+
+
+def train_step(
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    model: list,
+    optimizer,
+    scheduler,
+    cfg: ConfigContainer,
+    data_parallel_size: int,
+) -> StepResult:
+    """One optimizer step over a global batch.
+
+    Raises:
+        Whatever the forward step or megatron-core raise; the caller cleans up.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    start = time.perf_counter()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    nmb = num_microbatches(cfg, data_parallel_size)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=nmb,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=1)
+    loss = reduce_loss_across_ranks(losses)
+    platform.synchronize()
+    return StepResult(
+        loss=loss,
+        grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+        update_successful=bool(update_successful),
+        seconds=time.perf_counter() - start,
+        tokens=cfg.train.global_batch_size * cfg.model.seq_length,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    forward_step_func: Callable,
+    data_iterator: Iterator,
+    model: list,
+    cfg: ConfigContainer,
+    data_parallel_size: int,
+) -> float:
+    """Mean per-token validation loss over ``train.eval_iters`` global batches (same on all ranks)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    try:
+        for _ in range(cfg.train.eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches(cfg, data_parallel_size),
+                seq_length=cfg.model.seq_length,
+                micro_batch_size=cfg.train.micro_batch_size,
+                forward_only=True,
+            )
+            from megatron.core import parallel_state as ps
+
+            if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+                for item in losses:
+                    total += item["lm loss"].double().cpu()
+    finally:
+        for chunk in model:
+            chunk.train()
+    total = total.to(platform.device())
+    dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def model_flops_per_iteration(cfg: ConfigContainer, vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward, no recomputation).
+
+    Formula from Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters" (eq. 3): ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))`` with B the global batch, s the
+    sequence length, l layers, h hidden size, V the (padded) vocabulary. It assumes an MLP of 4h.
+    """
+    m = cfg.model
+    b, s, l, h = cfg.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
+    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + vocab_size / (12.0 * h * l))

@@ -1,0 +1,80 @@
+"""What a person sees of a run: console progress, the metrics history and the loss-curve image."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("tierstack")
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Rank 0 logs INFO to stderr; other ranks log WARNING and above, prefixed with their rank.
+
+    Third-party loggers that flood a CPU run (megatron-core's per-call INFO lines) are raised to
+    WARNING.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    root = logging.getLogger()
+    if not any(getattr(h, "_tierstack", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._tierstack = True  # type: ignore[attr-defined]
+        prefix = "" if rank == 0 else f"[rank {rank}] "
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        root.addHandler(handler)
+    root.setLevel(level if rank == 0 else logging.WARNING)
+    logging.getLogger("tierstack").setLevel(level if rank == 0 else logging.WARNING)
+    for noisy in ("megatron", "megatron.core", "nvidia_resiliency_ext", "mlflow", "alembic", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def run_reporters(s):
+    """Console progress and metrics history for a run; the loss-curve image on the way out.
+
+    Yields ``(progress, history)`` for :func:`tierstack.training.train.train`. On rank 0 only:
+    ``<run_dir>/metrics.jsonl`` (continued across resumes) and ``<run_dir>/loss_curve.png``
+    (train and validation loss, checkpoint and resume steps marked), also logged to mlflow.
+    """
+    from tierstack.logging.console import ProgressLogger
+    from tierstack.logging.history import MetricsHistory
+
+    cfg, ts, rank = s.config, s.train_state, s.layout.rank
+    run_dir = Path(cfg.logger.run_dir)
+    if s.resume_info is not None:
+        log.info(
+            "resumed from %s checkpoint at iteration %d (%s): consumed %d samples",
+            s.resume_info.tier.value.upper(),
+            ts.step,
+            s.resume_info.path,
+            ts.consumed_train_samples,
+        )
+    else:
+        log.info("starting a fresh run (no checkpoint found)")
+    history = MetricsHistory(run_dir / "metrics.jsonl", rank=rank, resume_step=ts.step)
+    progress = ProgressLogger(cfg.logger, total_iters=cfg.train.train_iters, start_iter=ts.step, rank=rank)
+    try:
+        yield progress, history
+    finally:
+        progress.close()
+        if rank == 0:
+            _write_loss_curve(s, history, run_dir)
+
+
+def _write_loss_curve(s, history, run_dir: Path) -> None:
+    from tierstack.checkpointing import CheckpointTier
+    from tierstack.logging.plots import plot_loss_curve
+
+    try:
+        ckpt_steps = {
+            tier.value.upper(): s.checkpoint_manager.saved_steps(tier) for tier in CheckpointTier
+        }
+        out = plot_loss_curve(history.load(), run_dir / "loss_curve.png", ckpt_steps, list(s.train_state.resumed_from))
+        log.info("loss curve: %s", out)
+        if s.tracker is not None:
+            s.tracker.log_artifact(out)
+    except Exception as exc:  # a plot must never turn a finished run into a failed one
+        log.warning("could not write the loss curve: %s", exc)

@@ -1,0 +1,148 @@
+"""``setup(config)``: everything a training run needs, handed on as a named ``SetupOutput``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Iterator, NamedTuple, Optional
+
+import torch.distributed as dist
+
+from tierstack import platform
+from tierstack.config import ConfigContainer
+from tierstack.training.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class SetupOutput(NamedTuple):
+    """Objects built by :func:`setup`, in the order the training loop uses them.
+
+    ``straggler`` and ``tracker`` are None when their config sections are off.
+    """
+
+    config: ConfigContainer
+    layout: platform.ParallelLayout
+    tokenizer: Any
+    model: list
+    optimizer: Any
+    scheduler: Any
+    train_state: TrainState
+    train_data_iterator: Iterator
+    valid_data_iterator: Optional[Iterator]
+    checkpoint_manager: Any
+    resume_info: Any
+    straggler: Any
+    tracker: Any
+    padded_vocab_size: int
+
+
+def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: TrainState):
+    from tierstack.data.datasets import build_train_valid_datasets
+    from tierstack.data.samplers import build_cyclic_iterator, build_data_iterator
+
+    t = cfg.train
+    train_samples = t.train_iters * t.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
+    valid_samples = max(evals * t.eval_iters * t.global_batch_size, t.global_batch_size)
+    train_ds, valid_ds = build_train_valid_datasets(
+        cfg.dataset,
+        tokenizer,
+        seq_length=cfg.model.seq_length,
+        train_samples=train_samples,
+        valid_samples=valid_samples,
+        seed=cfg.rng.seed,
+    )
+    train_it = build_data_iterator(
+        train_ds,
+        consumed_samples=train_state.consumed_train_samples,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=layout.data_parallel_rank,
+        dp_size=layout.data_parallel_size,
+        num_workers=cfg.dataset.num_workers,
+        pin_memory=platform.has_gpu(),
+    )
+    valid_it = None
+    if valid_ds is not None and evals:
+        valid_it = build_cyclic_iterator(
+            valid_ds,
+            consumed_samples=train_state.consumed_valid_samples,
+            micro_batch_size=t.micro_batch_size,
+            dp_rank=layout.data_parallel_rank,
+            dp_size=layout.data_parallel_size,
+            pin_memory=platform.has_gpu(),
+        )
+    return train_it, valid_it
+
+
+def setup(cfg: ConfigContainer) -> SetupOutput:
+    """Validate, initialise ranks, build model/optimizer/scheduler, resume, then data and loggers.
+
+    Order matters: the checkpoint is loaded before the data iterators are built, because the
+    samplers start at the restored ``consumed_train_samples`` / ``consumed_valid_samples``.
+
+    Raises:
+        ConfigError: the config is invalid (before any process group is created).
+        Errors of the checkpoint layer when checkpoints exist but none is valid.
+    """
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    layout = platform.initialize_distributed(
+        tensor_model_parallel_size=cfg.distributed.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.distributed.pipeline_model_parallel_size,
+        seed=cfg.rng.seed,
+        backend=cfg.distributed.backend,
+        timeout_s=cfg.distributed.timeout_s,
+    )
+    from tierstack.checkpointing import CheckpointManager, TrainingObjects
+    from tierstack.data.tokenizers import build_tokenizer
+    from tierstack.models.gpt import gpt_model_provider
+    from tierstack.training.optim import build_model, build_optimizer, build_scheduler
+
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    provider = gpt_model_provider(cfg, tokenizer.vocab_size)
+    model = build_model(cfg, provider)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer)
+    train_state = TrainState()
+
+    tracker = _build_tracker(cfg, layout)
+    listeners = [tracker.log_checkpoint] if tracker is not None else []
+    ckpt = CheckpointManager(cfg, layout, listeners=listeners)
+    objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state, config=cfg)
+    resume_info = ckpt.resume(objs)
+    if tracker is not None:
+        run_id = tracker.start(cfg.flat_params(), resume_run_id=train_state.tracker_run_id)
+        box = [run_id]
+        dist.broadcast_object_list(box, src=0)
+        train_state.tracker_run_id = box[0]
+
+    train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
+    straggler = None
+    if cfg.straggler is not None:
+        from tierstack.resiliency.straggler import StragglerMonitor
+
+        straggler = StragglerMonitor(cfg.straggler, layout)
+    return SetupOutput(
+        config=cfg,
+        layout=layout,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_state=train_state,
+        train_data_iterator=train_it,
+        valid_data_iterator=valid_it,
+        checkpoint_manager=ckpt,
+        resume_info=resume_info,
+        straggler=straggler,
+        tracker=tracker,
+        padded_vocab_size=provider.padded_vocab_size,  # type: ignore[attr-defined]
+    )
+
+
+def _build_tracker(cfg: ConfigContainer, layout):
+    if cfg.mlflow is None:
+        return None
+    from tierstack.logging.tracking import MlflowTracker
+
+    return MlflowTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)
