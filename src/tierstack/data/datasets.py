@@ -1,0 +1,185 @@
+"""Train and validation GPT datasets over megatron-core's ``BlendedMegatronDatasetBuilder``.
+
+What megatron-core 0.16.1 does that callers should know:
+
+- ``build()`` is collective when ``torch.distributed`` is initialized: global rank 0 builds each
+  dataset first (writing the shuffle/sample index ``.npy`` files to ``path_to_cache``), then all
+  ranks meet at ``torch.distributed.barrier()`` on the default group, then the other ranks build
+  (they load the cached indices). Every rank must call it, also ranks for which
+  ``is_built_on_rank()`` is False: they still join the barriers and get ``None`` datasets.
+- ``is_built_on_rank`` must be True on global rank 0.
+- Index files go to ``<dataset.cache_dir>/indices`` named by an md5 of the dataset description
+  (path, split, seed, sequence length, sample count, tokenizer.unique_identifiers).
+- A blend of several prefixes (``BlendedDataset``) needs torch.distributed initialized: its index
+  builder calls ``torch.distributed.get_rank()`` without checking.
+- With no blend, ``GPTDatasetConfig`` switches itself to mock data and forces ``split="1,1,1"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from tierstack.config.sections import DatasetConfig
+from tierstack.data.preprocess import ensure_stdlib_corpus
+
+logger = logging.getLogger(__name__)
+
+
+def _as_weight(item) -> Optional[float]:
+    """``item`` as a float if it is a number or a numeric string, else None."""
+    if isinstance(item, bool):
+        return None
+    if isinstance(item, (int, float)):
+        return float(item)
+    try:
+        return float(str(item))
+    except ValueError:
+        return None
+
+
+def parse_data_path(data_path) -> tuple[list[str], Optional[list[float]]]:
+    """Split ``dataset.data_path`` into prefixes and optional blend weights.
+
+    Accepts one prefix (str), a list of prefixes, or ``[w1, p1, w2, p2, ...]`` (weights first, as in
+    Megatron's ``--data-path``).
+
+    Returns:
+        ``(prefixes, weights)``; weights is None for an unweighted list.
+
+    Raises:
+        ValueError: empty list, non-positive weight, or a weight without a prefix.
+        FileNotFoundError: a prefix without ``.bin`` and ``.idx`` files.
+    """
+    items = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
+    if not items:
+        raise ValueError("dataset.data_path is an empty list; set it to prefixes or leave it None")
+    weighted = len(items) % 2 == 0 and all(_as_weight(w) is not None for w in items[0::2])
+    if weighted:
+        weights = [_as_weight(w) for w in items[0::2]]
+        prefixes = [str(p) for p in items[1::2]]
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"dataset.data_path weights must be > 0, got {weights}")
+    else:
+        if any(_as_weight(p) is not None for p in items):
+            raise ValueError(
+                f"dataset.data_path={items!r} mixes numbers and prefixes; use "
+                "[prefix, ...] or [weight1, prefix1, weight2, prefix2, ...]"
+            )
+        weights, prefixes = None, [str(p) for p in items]
+    for prefix in prefixes:
+        if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
+            raise FileNotFoundError(
+                f"dataset.data_path: {prefix}.bin / {prefix}.idx not found "
+                "(give prefixes without the extension; build them with `tierstack preprocess`)"
+            )
+    return prefixes, weights
+
+
+def resolve_stdlib_corpus(cache_dir: str, tokenizer) -> str:
+    """:func:`ensure_stdlib_corpus`, built by global rank 0 first when torch.distributed is up.
+
+    Collective when torch.distributed is initialized (one barrier): every rank must call it.
+    """
+    if not torch.distributed.is_initialized():
+        return ensure_stdlib_corpus(cache_dir, tokenizer)
+    prefix = ensure_stdlib_corpus(cache_dir, tokenizer) if torch.distributed.get_rank() == 0 else None
+    torch.distributed.barrier()  # sync point: the others then find rank 0's cache
+    return prefix if prefix is not None else ensure_stdlib_corpus(cache_dir, tokenizer)
+
+
+def build_train_valid_datasets(
+    dataset_cfg: DatasetConfig,
+    tokenizer,
+    seq_length: int,
+    train_samples: int,
+    valid_samples: int,
+    seed: int,
+    is_built_on_rank: Optional[Callable[[], bool]] = None,
+) -> tuple[Optional[GPTDataset], Optional[GPTDataset]]:
+    """Build the train and validation GPT datasets.
+
+    Args:
+        dataset_cfg: ``data_path`` None means the built-in stdlib corpus, resolved here through
+            :func:`resolve_stdlib_corpus` (built once under ``cache_dir``); ``mock`` uses
+            megatron-core's MockGPTDataset and reads no files (its split is then "1,1,1").
+        tokenizer: see :mod:`tierstack.data.tokenizers` (needs ``eod``, ``vocab_size``,
+            ``unique_identifiers``).
+        seq_length: tokens per sample.
+        train_samples: samples the training run draws (usually train_iters * global_batch_size);
+            the dataset repeats epochs to reach it.
+        valid_samples: samples the validation runs draw in total; one epoch of the valid split at
+            least.
+        seed: shuffling seed (documents and samples); same seed, same order.
+        is_built_on_rank: which ranks hold datasets (default: all). Must be True on global rank 0.
+
+    Returns:
+        ``(train_ds, valid_ds)``. ``len(train_ds) >= train_samples``. Each item is a dict of
+        ``[seq_length]`` tensors: ``tokens``, ``labels`` (tokens shifted by one) and
+        ``position_ids`` int64, ``loss_mask`` float32 (1.0 everywhere for real data). No
+        ``attention_mask`` (the model builds the causal mask). A blend of several prefixes adds
+        ``dataset_id`` (int64 scalar: which prefix). ``valid_ds`` is None when the
+        split gives validation no documents, and both are None on ranks not building.
+
+    Raises:
+        ValueError / FileNotFoundError: bad ``dataset.data_path`` or sizes (see parse_data_path).
+        RuntimeError: a blend of several prefixes without torch.distributed initialized.
+        Collective when torch.distributed is initialized: every rank must call it.
+    """
+    if seq_length < 1 or train_samples < 1 or valid_samples < 0:
+        raise ValueError(
+            f"need seq_length >= 1, train_samples >= 1, valid_samples >= 0; got {seq_length}, "
+            f"{train_samples}, {valid_samples}"
+        )
+    blend = None
+    if not dataset_cfg.mock:
+        if dataset_cfg.data_path is None:
+            prefixes, weights = [resolve_stdlib_corpus(dataset_cfg.cache_dir, tokenizer)], None
+        else:
+            prefixes, weights = parse_data_path(dataset_cfg.data_path)
+        if len(prefixes) > 1 and not torch.distributed.is_initialized():
+            # megatron-core 0.16.1's BlendedDataset calls torch.distributed.get_rank() unguarded
+            # when it builds its index; fail here with a message instead of deep inside it.
+            raise RuntimeError(
+                "dataset.data_path blends several prefixes, which megatron-core can only build "
+                "with torch.distributed initialized (a 1-rank gloo group is enough)"
+            )
+        blend = (prefixes, weights)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=dataset_cfg.split,
+        path_to_cache=str(Path(dataset_cfg.cache_dir).expanduser() / "indices"),
+        tokenizer=tokenizer,
+        # Documents are packed across EOD boundaries with positions running on, like GPT-2/3
+        # pretraining; the model makes its own causal mask, so the dataset need not build one.
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    dataset_cls = MockGPTDataset if dataset_cfg.mock else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        dataset_cls,
+        [train_samples, valid_samples, 0],
+        is_built_on_rank or (lambda: True),
+        config,
+    )
+    train_ds, valid_ds, _test_ds = builder.build()
+    if train_ds is not None:
+        logger.info(
+            "datasets: train %d samples, valid %s samples (seq %d, data %s)",
+            len(train_ds), len(valid_ds) if valid_ds is not None else None, seq_length,
+            "mock" if dataset_cfg.mock else blend[0],
+        )
+    return train_ds, valid_ds
+
+
+__all__ = ["build_train_valid_datasets", "parse_data_path", "resolve_stdlib_corpus"]
