@@ -20,6 +20,7 @@ Nothing here runs on a machine with CUDA: :func:`activate` refuses to.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -154,8 +155,34 @@ def _patch_megatron_rng() -> None:
     """
     from megatron.core.tensor_parallel import random as mrandom
 
+    # On the CPU the tracker's "CUDA" stream *is* the CPU generator, so its check that the CPU state
+    # did not change inside fork() always fires; fork() still restores it, so the warning is noise.
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+def _patch_megatron_masks() -> None:
+    """Build the causal mask on the CPU once per sequence length.
+
+    megatron-core 0.16 builds it with ``device="cuda"`` on every attention call
+    (``transformer.utils.get_default_causal_mask``); a cached CPU version keeps the model's forward
+    and backward free of the device-rewriting mode's per-op cost.
+    """
+    import functools
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=16)
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    tutils.get_default_causal_mask = causal_mask
+    if hasattr(fused_softmax, "get_default_causal_mask"):
+        fused_softmax.get_default_causal_mask = causal_mask
 
 
 def activate() -> None:
@@ -171,6 +198,7 @@ def activate() -> None:
         raise RuntimeError("tierstack CPU compatibility layer refused: CUDA is available")
     _patch_torch_cuda()
     _patch_megatron_rng()
+    _patch_megatron_masks()
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _ACTIVE = True
