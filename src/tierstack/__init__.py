@@ -6,11 +6,11 @@ Entry point: :func:`pretrain` with a :class:`ConfigContainer`.
 from tierstack.config import ConfigContainer, ConfigError
 
 
-def pretrain(config, forward_step_func=None):
+def pretrain(config, forward_step_func=None, on_step=None):
     """See :func:`tierstack.training.pretrain.pretrain` (imported lazily: megatron-core is slow to import)."""
     from tierstack.training.pretrain import pretrain as _pretrain
 
-    return _pretrain(config, forward_step_func)
+    return _pretrain(config, forward_step_func, on_step)
 
 
 __all__ = ["ConfigContainer", "ConfigError", "pretrain"]

@@ -11,7 +11,11 @@ from tierstack.training.state import TrainState
 log = logging.getLogger(__name__)
 
 
-def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = None) -> TrainState:
+def pretrain(
+    config: ConfigContainer,
+    forward_step_func: Optional[Callable] = None,
+    on_step: Optional[Callable] = None,
+) -> TrainState:
     """Set up, train, and always clean up: async checkpoint writers, trackers, process groups.
 
     Args:
@@ -42,7 +46,9 @@ def pretrain(config: ConfigContainer, forward_step_func: Optional[Callable] = No
     try:
         s = setup(config)
         with run_reporters(s) as (progress, history):
-            state = train(s, forward_step_func, exit_request=exit_request, history=history, progress=progress)
+            state = train(
+                s, forward_step_func, exit_request=exit_request, history=history, progress=progress, on_step=on_step
+            )
         status = "FINISHED"
         return state
     except KeyboardInterrupt:

@@ -24,13 +24,23 @@ def _stop_reason(s: SetupOutput, exit_request, straggler_stop: Optional[str]) ->
     return None
 
 
-def train(s: SetupOutput, forward_step_func: Callable, exit_request=None, history=None, progress=None) -> TrainState:
+def train(
+    s: SetupOutput,
+    forward_step_func: Callable,
+    exit_request=None,
+    history=None,
+    progress=None,
+    on_step: Optional[Callable] = None,
+) -> TrainState:
     """Run iterations until ``train.train_iters`` (or an early, planned stop).
 
     Every rank runs this. After each step: LOCAL/GLOBAL saves by interval (the checkpoint manager
     decides), evaluation by ``train.eval_interval``, a log line by ``logger.log_interval``, the
     straggler report by its interval. A planned stop (exit_interval, SIGTERM, straggler) saves a
     GLOBAL checkpoint first; the end of training saves a GLOBAL checkpoint unless one was just taken.
+
+    ``on_step(train_state, step_result)`` is called on every rank after each step (before
+    checkpoints), e.g. to record per-rank losses.
 
     Returns:
         The final :class:`TrainState`.
@@ -61,6 +71,8 @@ def train(s: SetupOutput, forward_step_func: Callable, exit_request=None, histor
             ts.skipped_train_samples += cfg.train.global_batch_size
             log.warning("iteration %d: optimizer skipped the update (non-finite gradients)", ts.step)
         ts.floating_point_operations_so_far += flops_per_iter
+        if on_step is not None:
+            on_step(ts, result)
         window_time += result.seconds
         window_tokens += result.tokens
 
