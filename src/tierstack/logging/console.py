@@ -1,0 +1,133 @@
+"""Rank-0 console progress: a tqdm bar with ETA and one readable line per log interval.
+
+Lines go through the ``logging`` module (logger ``tierstack.progress``); while the bar is shown,
+console handlers are routed through ``tqdm.write`` so a line never breaks the bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Any, Mapping, Optional
+
+from tierstack.config.sections import LoggerConfig
+
+log = logging.getLogger("tierstack.progress")
+
+# Metric keys the training loop reports; others are appended as "key value".
+LOSS = "loss"
+VAL_LOSS = "val_loss"
+LR = "lr"
+GRAD_NORM = "grad_norm"
+TOKENS_PER_S = "tokens_per_s"
+STEP_TIME_S = "step_time_s"
+
+# (key, label, format) in display order.
+_KNOWN = (
+    (LOSS, "loss {:.3f}"),
+    (VAL_LOSS, "val {:.3f}"),
+    (LR, "lr {:.1e}"),
+    (GRAD_NORM, "grad norm {:.2f}"),
+    (TOKENS_PER_S, "{:.0f} tok/s"),
+    (STEP_TIME_S, "{:.2f} s/it"),
+)
+_KNOWN_KEYS = {k for k, _ in _KNOWN}
+
+
+def format_duration(seconds: float) -> str:
+    """``3725`` -> ``"1h02m"``, ``130`` -> ``"2m10s"``, ``9.4`` -> ``"9s"``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def format_step_line(iteration: int, total_iters: int, metrics: Mapping[str, Any]) -> str:
+    """One console line, e.g. ``iter 120/200 | loss 2.913 | val 2.801 | lr 2.1e-03 | grad norm 0.84 |
+    1712 tok/s | 1.21 s/it | eta 1m37s``. Missing or None metrics are left out; ETA comes from
+    ``step_time_s`` (seconds per iteration)."""
+    parts = [f"iter {iteration}/{total_iters}"]
+    for key, fmt in _KNOWN:
+        value = metrics.get(key)
+        if value is not None:
+            parts.append(fmt.format(float(value)))
+    for key, value in metrics.items():
+        if key in _KNOWN_KEYS or value is None:
+            continue
+        parts.append(f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}")
+    step_time = metrics.get(STEP_TIME_S)
+    if step_time is not None and total_iters > iteration:
+        parts.append(f"eta {format_duration(float(step_time) * (total_iters - iteration))}")
+    return " | ".join(parts)
+
+
+class ProgressLogger:
+    """Progress of the training loop on rank 0 (every method is a no-op on other ranks).
+
+    Args:
+        logger_cfg: the ``logger`` section (``log_interval`` in iterations, ``progress_bar``).
+        total_iters: the last iteration of the run.
+        start_iter: iterations already done (a resumed run starts its bar there).
+        rank: global rank of this process.
+        stream: where the bar draws (default ``sys.stderr``); the bar is off when it is not a TTY.
+    """
+
+    def __init__(
+        self,
+        logger_cfg: LoggerConfig,
+        total_iters: int,
+        start_iter: int = 0,
+        rank: int = 0,
+        stream: Any = None,
+    ) -> None:
+        self.cfg = logger_cfg
+        self.total_iters = total_iters
+        self.enabled = rank == 0
+        self._bar = None
+        self._redirect: Optional[contextlib.AbstractContextManager] = None
+        stream = stream if stream is not None else sys.stderr
+        is_tty = bool(getattr(stream, "isatty", lambda: False)())
+        if self.enabled and logger_cfg.progress_bar and is_tty:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(
+                total=total_iters, initial=start_iter, unit="it", desc="train", file=stream, dynamic_ncols=True
+            )
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+
+    @property
+    def bar_shown(self) -> bool:
+        """True when a tqdm bar is drawn."""
+        return self._bar is not None
+
+    def log_step(self, iteration: int, metrics: Mapping[str, Any]) -> Optional[str]:
+        """Advance the bar to ``iteration``; at each ``log_interval`` (and the last iteration) log a line.
+
+        Returns:
+            The line logged, or None.
+        """
+        if not self.enabled:
+            return None
+        if self._bar is not None:
+            self._bar.update(iteration - self._bar.n)
+            if metrics.get(LOSS) is not None:
+                self._bar.set_postfix(loss=f"{float(metrics[LOSS]):.3f}", refresh=False)
+        if iteration % self.cfg.log_interval and iteration != self.total_iters:
+            return None
+        line = format_step_line(iteration, self.total_iters, metrics)
+        log.info(line)
+        return line
+
+    def close(self) -> None:
+        """Close the bar and restore console handlers (idempotent)."""
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,68 @@
+"""Console line format and the rank-0 ProgressLogger (real tqdm, real logging)."""
+
+import io
+import logging
+
+from tierstack.config.sections import LoggerConfig
+from tierstack.logging.console import ProgressLogger, format_duration, format_step_line
+
+METRICS = {
+    "loss": 2.91349,
+    "val_loss": 2.8011,
+    "lr": 2.1e-3,
+    "grad_norm": 0.8412,
+    "tokens_per_s": 1712.4,
+    "step_time_s": 1.2149,
+}
+
+
+def test_line_reads_like_the_example():
+    line = format_step_line(120, 200, METRICS)
+    assert line == (
+        "iter 120/200 | loss 2.913 | val 2.801 | lr 2.1e-03 | grad norm 0.84 | 1712 tok/s | 1.21 s/it | eta 1m37s"
+    )
+
+
+def test_missing_metrics_are_left_out_and_extras_appended():
+    line = format_step_line(200, 200, {"loss": 1.0, "val_loss": None, "straggler/train_step_relative_min": 0.512})
+    assert line == "iter 200/200 | loss 1.000 | straggler/train_step_relative_min 0.512"
+
+
+def test_durations():
+    assert [format_duration(s) for s in (9.4, 130, 3725)] == ["9s", "2m10s", "1h02m"]
+
+
+def test_logs_every_interval_and_the_last_iteration_on_rank0(caplog):
+    cfg = LoggerConfig(log_interval=5, progress_bar=True)
+    progress = ProgressLogger(cfg, total_iters=12, start_iter=0, rank=0, stream=io.StringIO())
+    assert not progress.bar_shown  # not a TTY
+    with caplog.at_level(logging.INFO, logger="tierstack.progress"):
+        lines = [progress.log_step(i, {"loss": 3.0}) for i in range(1, 13)]
+    progress.close()
+    assert [i + 1 for i, line in enumerate(lines) if line] == [5, 10, 12]
+    assert [r.getMessage() for r in caplog.records] == [line for line in lines if line]
+
+
+def test_other_ranks_stay_quiet(caplog):
+    progress = ProgressLogger(LoggerConfig(log_interval=1), total_iters=3, rank=1)
+    with caplog.at_level(logging.INFO, logger="tierstack.progress"):
+        assert progress.log_step(1, METRICS) is None
+    assert not caplog.records
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_bar_on_a_tty_resumes_at_start_iter():
+    stream = _Tty()
+    progress = ProgressLogger(LoggerConfig(log_interval=2), total_iters=10, start_iter=4, rank=0, stream=stream)
+    assert progress.bar_shown
+    progress.log_step(5, {"loss": 2.5})
+    progress.log_step(6, {"loss": 2.4})
+    progress.close()
+    out = stream.getvalue()
+    assert "6/10" in out and "loss=2.400" in out
+    no_bar = ProgressLogger(LoggerConfig(progress_bar=False), total_iters=10, rank=0, stream=_Tty())
+    assert not no_bar.bar_shown

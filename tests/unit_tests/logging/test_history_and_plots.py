@@ -1,0 +1,61 @@
+"""MetricsHistory across a resume, and the loss curve PNG drawn from it."""
+
+import json
+import math
+
+import pytest
+
+from tierstack.logging.history import MetricsHistory
+from tierstack.logging.plots import plot_loss_curve
+
+
+def _train(history, steps):
+    for step in steps:
+        history.append(step, {"loss": 5.0 * math.exp(-step / 40) + 1.5, "lr": 1e-3})
+        if step % 20 == 0:
+            history.append(step, {"val_loss": 5.0 * math.exp(-step / 40) + 1.7})
+            history.add_checkpoint(step, "GLOBAL")
+        elif step % 10 == 0:
+            history.add_checkpoint(step, "LOCAL")
+
+
+def test_resume_truncates_beyond_the_resumed_step_and_appends(tmp_path):
+    first = MetricsHistory(tmp_path)
+    _train(first, range(5, 75, 5))  # ran to 70, last checkpoint kept: LOCAL 70; say it resumes at 50
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 71, "lo')  # torn line from a killed run
+    resumed = MetricsHistory(tmp_path)
+    kept = resumed.load(resume_step=50)
+    assert max(r["step"] for r in kept) == 50
+    resumed.add_resume(50)
+    _train(resumed, range(55, 105, 5))
+
+    again = MetricsHistory(tmp_path)
+    again.load()
+    steps = [r["step"] for r in again.metrics() if "loss" in r]
+    assert steps == list(range(5, 105, 5))  # once each, no duplicates of 55..70
+    assert again.resume_steps() == [50]
+    assert again.checkpoint_steps() == {"LOCAL": [10, 30, 50, 70, 90], "GLOBAL": [20, 40, 60, 80, 100]}
+    assert all(json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    h = MetricsHistory(tmp_path, rank=1)
+    h.append(1, {"loss": 1.0})
+    assert not (tmp_path / "metrics.jsonl").exists() and h.load() == []
+
+
+def test_plot_writes_a_png_with_both_curves(tmp_path):
+    history = MetricsHistory(tmp_path)
+    _train(history, range(1, 101))
+    history.add_resume(60)
+    out = plot_loss_curve(
+        history.metrics(), tmp_path / "plots" / "loss.png", history.checkpoint_steps(), history.resume_steps()
+    )
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_plot_without_losses_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no 'loss'"):
+        plot_loss_curve([{"step": 1, "lr": 0.1}], tmp_path / "x.png")
