@@ -105,6 +105,11 @@ class ProgressLogger:
         """True when a tqdm bar is drawn."""
         return self._bar is not None
 
+    def advance(self, iteration: int) -> None:
+        """Move the bar to ``iteration`` without logging a line (the iterations between log lines)."""
+        if self._bar is not None:
+            self._bar.update(iteration - self._bar.n)
+
     def log_step(self, iteration: int, metrics: Mapping[str, Any]) -> Optional[str]:
         """Advance the bar to ``iteration``; at each ``log_interval`` (and the last iteration) log a line.
 
@@ -113,8 +118,8 @@ class ProgressLogger:
         """
         if not self.enabled:
             return None
+        self.advance(iteration)
         if self._bar is not None:
-            self._bar.update(iteration - self._bar.n)
             if metrics.get(LOSS) is not None:
                 self._bar.set_postfix(loss=f"{float(metrics[LOSS]):.3f}", refresh=False)
         if iteration % self.cfg.log_interval and iteration != self.total_iters:

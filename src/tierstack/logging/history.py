@@ -25,14 +25,21 @@ class MetricsHistory:
     """Append-only metrics log of a run; on ranks other than 0 it keeps nothing and writes nothing.
 
     Args:
-        run_dir: run directory; the file is ``run_dir/metrics.jsonl``.
+        path: the run directory (the file is ``<path>/metrics.jsonl``) or the ``.jsonl`` file itself.
         rank: global rank of this process.
+        resume_step: when given, :meth:`load` at once, keeping records up to this step (the step
+            the run starts from; 0 for a fresh start, which clears an old file).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int = 0) -> None:
-        self.path = Path(run_dir) / FILE_NAME
+    def __init__(
+        self, path: str | os.PathLike, rank: int = 0, resume_step: Optional[int] = None
+    ) -> None:
+        path = Path(path)
+        self.path = path if path.suffix == ".jsonl" else path / FILE_NAME
         self.enabled = rank == 0
         self.records: list[dict[str, Any]] = []
+        if resume_step is not None:
+            self.load(resume_step)
 
     def load(self, resume_step: Optional[int] = None) -> list[dict[str, Any]]:
         """Read the existing file; with ``resume_step``, drop records beyond it and rewrite the file.

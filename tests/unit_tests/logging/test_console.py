@@ -59,7 +59,7 @@ def test_bar_on_a_tty_resumes_at_start_iter():
     stream = _Tty()
     progress = ProgressLogger(LoggerConfig(log_interval=2), total_iters=10, start_iter=4, rank=0, stream=stream)
     assert progress.bar_shown
-    progress.log_step(5, {"loss": 2.5})
+    progress.advance(5)
     progress.log_step(6, {"loss": 2.4})
     progress.close()
     out = stream.getvalue()

@@ -59,3 +59,12 @@ def test_plot_writes_a_png_with_both_curves(tmp_path):
 def test_plot_without_losses_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no 'loss'"):
         plot_loss_curve([{"step": 1, "lr": 0.1}], tmp_path / "x.png")
+
+
+def test_file_path_and_resume_step_at_construction(tmp_path):
+    first = MetricsHistory(tmp_path / "metrics.jsonl", rank=0, resume_step=0)
+    _train(first, range(1, 31))
+    resumed = MetricsHistory(tmp_path / "metrics.jsonl", rank=0, resume_step=20)
+    assert max(r["step"] for r in resumed.records) == 20
+    fresh = MetricsHistory(tmp_path, rank=0, resume_step=0)  # a fresh start clears the old file
+    assert fresh.records == [] and (tmp_path / "metrics.jsonl").read_text() == ""
