@@ -1,0 +1,367 @@
+"""GLOBAL tier: megatron-core ``dist_checkpointing`` (torch_dist) on persistent shared storage.
+
+A save follows the protocol of DESIGN.md: write into ``iter_N.staging-<run>-<attempt>``, agree,
+seal (manifest with per-file CRC-32, computed by all ranks in parallel), publish (rank 0 renames the
+directory, then rewrites the trackers atomically), retain. Asynchronous saves write in a background
+process (megatron-core ``AsyncCallsQueue``); sealing and publishing run in the finalize step with the
+step and TrainState captured when the save was scheduled.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from tierstack.checkpointing import _dist, layout, manifest, retention, retry
+from tierstack.checkpointing import state as ckpt_state
+from tierstack.checkpointing.types import Candidate, CheckpointTier, SaveEvent, TrainingObjects
+from tierstack.config import ConfigContainer
+from tierstack.platform import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint cannot be loaded as asked; the message says which setting to change."""
+
+
+@dataclass
+class _Scheduled:
+    step: int
+    staging: Path
+    train_state: dict
+    run_id: str
+    blocked_s: float
+
+
+def _local_step(fn: Callable[[], object]) -> None:
+    """Run a rank-local piece of a collective save and make every rank agree on how it ended."""
+    err = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - classified by retry.agree
+        err = e
+    retry.agree(err)
+
+
+class GlobalTier:
+    tier = CheckpointTier.GLOBAL
+
+    def __init__(self, cfg: ConfigContainer, layout_: ParallelLayout, on_publish: Callable[[SaveEvent], None]):
+        c = cfg.checkpoint
+        self.cfg = cfg
+        self.layout = layout_
+        self.save_root = Path(c.save) if c.save else None
+        load = c.load or c.save
+        self.load_root = Path(load) if load else None
+        self._on_publish = on_publish
+        self._queue = None
+        self._scheduled: list[_Scheduled] = []
+        self.failures: list[int] = []  # steps whose save failed (the manager decides what to do)
+        if self.save_root is not None:
+            self._prewarm_writer()
+        if c.async_save and self.save_root is not None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            from tierstack import platform
+
+            # The persistent worker is spawned and calls torch.cuda.set_device in the child, which a
+            # CPU-only child cannot do; on CPU each save forks a writer instead (fork: no imports).
+            self._queue = AsyncCallsQueue(persistent=platform.has_gpu())
+
+    @property
+    def enabled(self) -> bool:
+        return self.load_root is not None or self.save_root is not None
+
+    # ------------------------------------------------------------------ strategies
+    @staticmethod
+    def _prewarm_writer() -> None:
+        """torch_dist writers (sync and async) report through a spawned multiprocessing Manager,
+        started on first use (~4 s on 2 CPU cores): start it at setup, not inside the first save."""
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+        t0 = time.perf_counter()
+        _get_write_results_queue()
+        log.debug("GLOBAL writer results queue ready in %.2fs", time.perf_counter() - t0)
+
+    def _save_strategy(self):
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        strategy = get_default_save_sharded_strategy("torch_dist")
+        if self.cfg.checkpoint.fully_parallel_save:
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
+        return strategy
+
+    def _load_strategy(self, path: Path):
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+        strategy = get_default_load_sharded_strategy(str(path))
+        if self.cfg.checkpoint.fully_parallel_load:
+            strategy = FullyParallelLoadStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
+        return strategy
+
+    # ------------------------------------------------------------------ save
+    def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
+        if self.save_root is None:
+            return None
+        c = self.cfg.checkpoint
+        t0 = time.perf_counter()
+        step = objs.train_state.step
+        extra = {
+            "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
+            "has_optimizer": c.save_optim,
+            "has_rng": c.save_rng,
+        }
+        captured = dict(objs.train_state.state_dict())
+        is_async = self._queue is not None
+
+        def attempt(n: int):
+            staging = self.save_root / layout.staging_dir_name(step, run_id, n)
+            _local_step(lambda: self._make_staging(staging, objs.config))
+            # Rebuilt per attempt: dist_checkpointing preprocesses the dict in place.
+            sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
+            request = self._write(sd, staging, is_async)
+            if is_async:
+                return staging, request
+            self._seal_and_publish(step, staging, captured, run_id, extra)
+            return staging, None
+
+        def cleanup(n: int, failed: retry.SaveAttemptFailed) -> None:
+            log.warning("GLOBAL save of step %d, attempt %d failed: %s", step, n, failed)
+            if _dist.rank() == 0:
+                shutil.rmtree(self.save_root / layout.staging_dir_name(step, run_id, n), ignore_errors=True)
+
+        try:
+            staging, request = retry.run_attempts(
+                attempt, attempts=c.save_retries, backoff_s=c.retry_backoff_s, on_failure=cleanup
+            )
+        except retry.SaveAttemptFailed as e:
+            log.error("GLOBAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", step, e)
+            self.failures.append(step)
+            return None
+        if is_async:
+            self._schedule(request, _Scheduled(step, staging, captured, run_id, 0.0), extra)
+        blocked = time.perf_counter() - t0
+        if is_async:
+            self._scheduled[-1].blocked_s = blocked
+            log.info("GLOBAL checkpoint of step %d scheduled (blocked %.2fs)", step, blocked)
+        else:
+            self._after_publish(step, run_id, blocked)
+        return blocked
+
+    def _make_staging(self, staging: Path, cfg: ConfigContainer) -> None:
+        if _dist.rank() == 0:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+
+    def _write(self, sd: dict, staging: Path, is_async: bool):
+        from megatron.core import dist_checkpointing
+
+        box = {}
+
+        def write():
+            box["request"] = dist_checkpointing.save(
+                sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=is_async
+            )
+
+        _local_step(write)
+        return box.get("request")
+
+    def _seal_and_publish(self, step: int, staging: Path, train_state: dict, run_id: str, extra: dict) -> None:
+        """Collective: manifest (checksums split over ranks), then rank 0 renames and updates trackers."""
+
+        def run_config_and_names():
+            if _dist.rank() == 0:
+                from omegaconf import OmegaConf
+
+                text = OmegaConf.to_yaml(OmegaConf.create(self.cfg.to_dict()))
+                (staging / layout.RUN_CONFIG).write_text(text)
+                box.append(manifest.list_files(staging))
+
+        box: list = []
+        _local_step(run_config_and_names)
+        names = _dist.broadcast_object(box[0] if box else None)
+        mine = names[_dist.rank():: _dist.world_size()]
+        parts: list = []
+        _local_step(lambda: parts.append(manifest.describe_files(staging, mine)))
+        files: dict = {}
+        for part in _dist.all_gather_object(parts[0]):
+            files.update(part)
+
+        def publish():
+            if _dist.rank() != 0:
+                return
+            man = manifest.build_manifest(
+                tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
+                train_state=train_state, files=files, **extra,
+            )
+            manifest.write_manifest(staging / layout.MANIFEST, man)
+            final = self.save_root / layout.step_dir_name(step)
+            if final.exists():  # an older run of this step (resumed with ckpt_step): keep it aside
+                layout.quarantine(final, "superseded")
+            staging.rename(final)
+            layout.fsync_dir(self.save_root)
+            layout.atomic_write_text(self.save_root / layout.TRACKER_ITERATION, f"{step}\n")
+            buf = io.BytesIO()
+            torch.save(train_state, buf)
+            layout.atomic_write_bytes(self.save_root / layout.TRACKER_TRAIN_STATE, buf.getvalue())
+            layout.write_run_file(self.save_root, run_id)
+
+        _local_step(publish)
+
+    def _after_publish(self, step: int, run_id: str, blocked_s: float) -> None:
+        path = self.save_root / layout.step_dir_name(step)
+        man = layout.read_json(path / layout.MANIFEST) if _dist.rank() == 0 else None
+        size = _dist.broadcast_object(int(man["bytes"]) if man else 0)
+        log.info("GLOBAL checkpoint of step %d published at %s (%d bytes, blocked %.2fs)", step, path, size, blocked_s)
+        if _dist.rank() == 0:
+            try:
+                retention.prune_global(self.save_root, run_id, step, self.cfg.checkpoint.most_recent_k)
+            except OSError as e:  # retention never fails a save
+                log.warning("GLOBAL retention after step %d failed: %s", step, e)
+        self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s))
+
+    # ------------------------------------------------------------------ async
+    def _schedule(self, request, job: _Scheduled, extra: dict) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+        inner_finalize = list(request.finalize_fns)
+
+        def finalize() -> None:
+            t0 = time.perf_counter()
+            try:
+                for fn in inner_finalize:  # megatron's own (collective; they fail on all ranks alike)
+                    fn()
+                retry.agree(None)
+                self._seal_and_publish(job.step, job.staging, job.train_state, job.run_id, extra)
+            except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                log.error("async GLOBAL checkpoint of step %d NOT published: %s", job.step, e)
+                if _dist.rank() == 0:
+                    shutil.rmtree(job.staging, ignore_errors=True)
+                self.failures.append(job.step)
+                return
+            self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
+
+        wrapped = AsyncRequest(
+            request.async_fn, request.async_fn_args, [finalize], request.async_fn_kwargs, request.preload_fn
+        )
+        self._scheduled.append(job)
+        self._queue.schedule_async_request(wrapped)
+
+    def finalize(self, blocking: bool) -> None:
+        """Collective: publish the async saves that finished (all of them when ``blocking``)."""
+        if self._queue is None or self._queue.get_num_unfinalized_calls() == 0:
+            return
+        done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        del self._scheduled[: len(done)]
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
+
+    # ------------------------------------------------------------------ resume
+    def candidates(self, run_id: Optional[str]) -> list[Candidate]:
+        """Published step directories of the load root (header checks only; see :meth:`verify`)."""
+        if self.load_root is None or not self.load_root.is_dir():
+            return []
+        out = []
+        for p in self.load_root.iterdir():
+            step = layout.parse_step_dir(p.name)
+            if step is None or not p.is_dir():
+                continue  # staging, quarantined and foreign names are never candidates
+            man_path = p / layout.MANIFEST
+            if not man_path.exists():
+                out.append(Candidate(self.tier, step, p, foreign=True, problem="no-manifest"))
+                continue
+            man = layout.read_json(man_path)
+            problem = manifest.check_manifest(man, step=step)
+            foreign = man is not None and run_id is not None and man.get("run_id") != run_id
+            out.append(Candidate(self.tier, step, p, man, problem or ("other-run" if foreign else None), foreign))
+        return out
+
+    def verify(self, cand: Candidate) -> Optional[str]:
+        """This rank's share of the file checks (sizes and checksums, split over ranks)."""
+        names = sorted(cand.manifest["files"])
+        return manifest.check_files(cand.path, cand.manifest["files"], names[_dist.rank():: _dist.world_size()])
+
+    def quarantine(self, cand: Candidate, reason: str) -> None:
+        if _dist.rank() == 0 and cand.path.exists():
+            target = layout.quarantine(cand.path, reason)
+            log.warning("GLOBAL checkpoint %s is invalid (%s): moved to %s", cand.path, reason, target.name)
+
+    def load(self, step: int, objs: TrainingObjects, *, model_only: bool = False) -> str:
+        from megatron.core import dist_checkpointing
+
+        c = self.cfg.checkpoint
+        path = self.load_root / layout.step_dir_name(step)
+        man = layout.read_json(path / layout.MANIFEST) or {}
+        saved, now = man.get("topology", {}), self.layout.topology()
+        optim = self._load_optim_decision(man, objs, model_only)
+        rng = c.load_rng and not model_only and man.get("has_rng", True) and saved == now
+        if c.load_rng and not model_only and saved != now:
+            log.warning("GLOBAL load: topology changed %s -> %s; per-rank RNG state not restored", saved, now)
+        sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)
+        loaded = dist_checkpointing.load(sd, str(path), sharded_strategy=self._load_strategy(path))
+        if model_only:
+            with torch.no_grad():
+                ckpt_state.unwrap(objs.model[0]).load_state_dict(loaded[ckpt_state.MODEL], strict=True)
+                for opt in ckpt_state.inner_optimizers(objs.optimizer):
+                    if hasattr(opt, "reload_model_params"):
+                        opt.reload_model_params()
+        else:
+            ckpt_state.apply(objs, loaded, optim=optim, rng=rng)
+        return str(path)
+
+    def _load_optim_decision(self, man: dict, objs: TrainingObjects, model_only: bool) -> bool:
+        """Whether to load optimizer state; a load that cannot be exact is an error, never a silent reset."""
+        if model_only or not self.cfg.checkpoint.load_optim:
+            return False
+        if not man.get("has_optimizer", True):
+            raise CheckpointLoadError(
+                "checkpoint has no optimizer state (saved with checkpoint.save_optim=false); "
+                "set checkpoint.load_optim=false to load the model only"
+            )
+        saved, now = man.get("topology", {}), self.layout.topology()
+        dist_now = ckpt_state.uses_distributed_optimizer(objs.optimizer)
+        dist_saved = bool(man.get("distributed_optimizer", False))
+        same_mp = all(
+            saved.get(k) == now[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+        )
+        if dist_now != dist_saved:
+            raise CheckpointLoadError(
+                f"checkpoint optimizer state was saved with use_distributed_optimizer={dist_saved}, this run "
+                f"uses {dist_now}; set optimizer.use_distributed_optimizer={dist_saved} or "
+                "checkpoint.load_optim=false (model weights only, fresh optimizer)"
+            )
+        if dist_now and not same_mp:
+            raise CheckpointLoadError(
+                "DistributedOptimizer state can change data-parallel size only (dp_reshardable), but TP/PP "
+                f"changed from {saved.get('tensor_model_parallel_size')}/{saved.get('pipeline_model_parallel_size')}"
+                f" to {now['tensor_model_parallel_size']}/{now['pipeline_model_parallel_size']}; "
+                "set checkpoint.load_optim=false to load the model weights only"
+            )
+        return True
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self.finalize(blocking=True)
+            self._queue.close()
+            self._queue = None

@@ -1,0 +1,155 @@
+"""Names on disk and atomic file writes.
+
+GLOBAL root (``checkpoint.save``)::
+
+    run.json                              run family (see below)
+    latest_checkpointed_iteration.txt     tracker: newest published step
+    latest_train_state.pt                 tracker: its TrainState
+    iter_0000020/                         one published checkpoint (torch_dist files, manifest.json,
+                                          run_config.yaml)
+    iter_0000030.staging-<run>-<n>/       an attempt in progress or failed; never read
+    iter_0000010.invalid-<reason>/        quarantined by resume selection; never read, never deleted
+
+LOCAL root (``checkpoint.local_dir``), one folder per global rank (the NVRx layout)::
+
+    run.json
+    <rank>/iter_0000020_<rank>_local.pt            NVRx file (written as .dirty, then renamed)
+    <rank>/iter_0000020_<rank>_local.manifest.json our manifest, written after the file
+
+Run family: ``run.json`` in a tier root names the run (``run_id``) whose checkpoints live there. It
+is written when a run starts fresh and at every publish where it differs. Resume reads the run.json
+of both tiers and takes the one written last; checkpoints whose manifest names another run are not
+candidates, not retained, not deleted (a directory left by another run is left alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+RUN_FILE = "run.json"
+TRACKER_ITERATION = "latest_checkpointed_iteration.txt"
+TRACKER_TRAIN_STATE = "latest_train_state.pt"
+MANIFEST = "manifest.json"
+RUN_CONFIG = "run_config.yaml"
+FORMAT_VERSION = 1
+
+_GLOBAL_DIR = re.compile(r"^iter_(\d+)$")
+_LOCAL_FILE = re.compile(r"^iter_(\d+)_(\d+)_local\.pt$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """Step of a published GLOBAL directory name; None for staging, quarantined or foreign names."""
+    m = _GLOBAL_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def staging_dir_name(step: int, run_id: str, attempt: int) -> str:
+    return f"{step_dir_name(step)}.staging-{run_id}-{attempt}"
+
+
+def local_file_name(step: int, rank: int) -> str:
+    return f"iter_{step:07d}_{rank}_local.pt"
+
+
+def local_manifest_name(step: int, rank: int) -> str:
+    return f"iter_{step:07d}_{rank}_local.manifest.json"
+
+
+def parse_local_file(name: str) -> Optional[tuple[int, int]]:
+    """``(step, rank)`` of a published LOCAL file name; None for ``.dirty``/quarantined/others."""
+    m = _LOCAL_FILE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def sorted_steps(steps) -> list[int]:
+    """Numeric order (999 before 1000), never the lexical order of directory names."""
+    return sorted(int(s) for s in steps)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create inside ``path`` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file beside ``path``, fsync, rename over ``path``, fsync the directory.
+
+    A reader sees the old content or the new, never a torn file.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: Path) -> Optional[dict]:
+    """Parsed JSON object, or None when missing or unreadable."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_run_file(root: Optional[Path]) -> Optional[dict]:
+    """``{"run_id", "written_unix"}`` of a tier root, or None."""
+    if root is None:
+        return None
+    info = read_json(Path(root) / RUN_FILE)
+    if info is None or not isinstance(info.get("run_id"), str):
+        return None
+    return info
+
+
+def write_run_file(root: Path, run_id: str) -> None:
+    """Record ``run_id`` as the family of ``root`` (no-op when already so)."""
+    root = Path(root)
+    current = read_run_file(root)
+    if current is not None and current["run_id"] == run_id:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(root / RUN_FILE, {"run_id": run_id, "written_unix": time.time()})
+
+
+def quarantine(path: Path, reason: str) -> Path:
+    """Rename ``path`` out of the candidate namespace (``<name>.invalid-<reason>``); never deletes."""
+    path = Path(path)
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", reason)[:40].strip("-") or "unknown"
+    target = path.with_name(f"{path.name}.invalid-{slug}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.invalid-{slug}-{n}")
+    os.rename(path, target)
+    return target

@@ -1,0 +1,83 @@
+"""Resume selection: which checkpoint, of which tier, every rank loads.
+
+All ranks list the candidates of both tiers, the newest step that is valid on every rank wins, and
+LOCAL wins a tie with GLOBAL because it loads faster (node-local disk, no resharding). A candidate
+that fails its checks is quarantined and the next is tried; a LOCAL checkpoint written at another
+topology is skipped (it is not broken, just not loadable here); another run's checkpoints are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tierstack.checkpointing import _dist, layout
+from tierstack.checkpointing.types import Candidate, CheckpointTier, CheckpointTierHandler
+
+log = logging.getLogger(__name__)
+
+_TIE_ORDER = {CheckpointTier.LOCAL: 0, CheckpointTier.GLOBAL: 1}
+_SKIP_NOT_INVALID = ("topology-changed", "other-run", "no-manifest")
+
+
+@dataclass
+class Selection:
+    handler: Optional[CheckpointTierHandler] = None
+    step: Optional[int] = None
+    quarantined: list[str] = field(default_factory=list)  # "<tier> step <n>: <reason>"
+    skipped: list[str] = field(default_factory=list)
+
+
+def agree_family(roots: Sequence[Optional[Path]]) -> Optional[str]:
+    """Collective: the run family, from the ``run.json`` written last among the tier roots any rank sees."""
+    mine = [layout.read_run_file(r) for r in roots if r is not None]
+    seen = [info for view in _dist.all_gather_object(mine) for info in view if info]
+    if not seen:
+        return None
+    newest = max(seen, key=lambda info: float(info.get("written_unix", 0.0)))
+    return newest["run_id"]
+
+
+def _order(keys) -> list[tuple[CheckpointTier, int]]:
+    """Newest step first; at equal steps LOCAL before GLOBAL."""
+    return sorted(keys, key=lambda k: (-k[1], _TIE_ORDER[k[0]]))
+
+
+def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
+           ckpt_step: Optional[int] = None) -> Selection:
+    """Collective: the agreed (handler, step), or an empty :class:`Selection` when nothing is valid."""
+    by_tier = {h.tier: h for h in handlers if h.enabled}
+    views: dict[tuple[CheckpointTier, int], Candidate] = {}
+    for h in by_tier.values():
+        for cand in h.candidates(family):
+            views[(h.tier, cand.step)] = cand
+    summaries = _dist.all_gather_object({k: v.problem for k, v in views.items()})
+    keys = set().union(*(s.keys() for s in summaries))
+    if ckpt_step is not None:
+        keys = {k for k in keys if k[1] == ckpt_step}
+    result = Selection()
+    for key in _order(keys):
+        tier, step = key
+        problems = [s.get(key, "missing-on-rank") for s in summaries]
+        skip = next((p for p in problems if p in _SKIP_NOT_INVALID), None)
+        if skip is not None:
+            result.skipped.append(f"{tier.value} step {step}: {skip}")
+            if _dist.rank() == 0:
+                log.info("resume: skipping %s checkpoint of step %d (%s)", tier.value, step, skip)
+            continue
+        cand = views.get(key)
+        local = cand.problem if cand is not None else "missing-on-rank"
+        if local is None:
+            local = by_tier[tier].verify(cand)
+        problems = _dist.all_gather_object(local)
+        if all(p is None for p in problems):
+            result.handler, result.step = by_tier[tier], step
+            return result
+        reason = next(p for p in problems if p is not None)
+        result.quarantined.append(f"{tier.value} step {step}: {reason}")
+        if cand is not None:
+            by_tier[tier].quarantine(cand, reason.split(" ")[0])
+        _dist.barrier()
+    return result

@@ -1,0 +1,97 @@
+"""The named parts of a checkpoint, shared by both tiers.
+
+A checkpoint is the dict ``{MODEL, OPTIMIZER, SCHEDULER, TRAIN_STATE, RNG}``: model and optimizer as
+megatron-core sharded state dicts, scheduler and TrainState as plain values (the "common" part),
+and RNG as one ``ShardedObject`` per global rank, since every rank has its own generators.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tierstack import platform
+from tierstack.checkpointing.types import TrainingObjects
+
+log = logging.getLogger(__name__)
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+SCHEDULER = "scheduler"
+TRAIN_STATE = "train_state"
+RNG = "rng_state"
+
+# DistributedOptimizer format that loads at another DP size without communication (CPU_NOTES:
+# the default "fully_sharded_model_space" fails on this stack, "fully_reshardable" fails at load).
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (checkpoint keys must not depend on them)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def inner_optimizers(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def uses_distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in inner_optimizers(optimizer))
+
+
+def prepare_optimizer_for_load(optimizer: Any) -> None:
+    """A DistributedOptimizer that has not stepped has no Adam state to load into; give it one."""
+    for opt in inner_optimizers(optimizer):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None:
+            init()
+
+
+def rng_object(world_size: int, rank: int, state: Any):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(RNG, state, (world_size,), (rank,), replica_id=0)
+
+
+def build(objs: TrainingObjects, *, is_loading: bool, optim: bool, rng: bool) -> dict:
+    """The sharded state dict to save (or to load into when ``is_loading``)."""
+    if len(objs.model) != 1:
+        raise NotImplementedError("tierstack checkpoints one model chunk per rank (no virtual pipeline)")
+    model_sd = unwrap(objs.model[0]).sharded_state_dict()
+    sd: dict = {
+        MODEL: model_sd,
+        SCHEDULER: objs.scheduler.state_dict(),
+        TRAIN_STATE: objs.train_state.state_dict(),
+    }
+    if optim:
+        if is_loading:
+            prepare_optimizer_for_load(objs.optimizer)
+        sd[OPTIMIZER] = objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
+    if rng:
+        ws = torch.distributed.get_world_size()
+        sd[RNG] = rng_object(ws, torch.distributed.get_rank(), platform.get_rng_state() if not is_loading else None)
+    return sd
+
+
+@torch.no_grad()  # a DistributedOptimizer's fp32 main params are views of leaves that require grad
+def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> None:
+    """Restore ``objs`` in place from a loaded state dict."""
+    unwrap(objs.model[0]).load_state_dict(loaded[MODEL], strict=True)
+    if optim:
+        objs.optimizer.load_state_dict(loaded[OPTIMIZER])
+    else:
+        # Model-only load: the optimizer's fp32 copies must follow the loaded weights.
+        for opt in inner_optimizers(objs.optimizer):
+            reload = getattr(opt, "reload_model_params", None)
+            if reload is not None:
+                reload()
+    objs.scheduler.load_state_dict(loaded[SCHEDULER])
+    objs.train_state.load_state_dict(loaded[TRAIN_STATE])
+    if rng and loaded.get(RNG) is not None:
+        platform.set_rng_state(loaded[RNG])

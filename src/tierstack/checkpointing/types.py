@@ -1,0 +1,95 @@
+"""The vocabulary of the package: tiers, what a checkpoint holds, events, and the tier Protocol."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+
+from tierstack.config import ConfigContainer
+from tierstack.training.state import TrainState
+
+
+class CheckpointTier(enum.Enum):
+    LOCAL = "local"
+    GLOBAL = "global"
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint holds; the training loop builds it once and the manager reads it at each save."""
+
+    model: list[torch.nn.Module]  # megatron DDP-wrapped chunks
+    optimizer: Any  # megatron ChainedOptimizer / DistributedOptimizer / FP32Optimizer
+    scheduler: Any  # megatron OptimizerParamScheduler
+    train_state: TrainState
+    config: ConfigContainer
+
+
+@dataclass(frozen=True)
+class SaveEvent:
+    """A published GLOBAL checkpoint (listeners never hear of LOCAL saves)."""
+
+    tier: CheckpointTier
+    step: int
+    path: str
+    bytes: int
+    seconds: float  # time the training loop was blocked by this save (scheduling + finalize)
+
+
+@dataclass(frozen=True)
+class ResumeInfo:
+    tier: CheckpointTier
+    step: int
+    path: str
+    seconds: float = 0.0  # wall time of the load
+
+
+@dataclass
+class Candidate:
+    """One checkpoint one rank can see, before the ranks agree on it."""
+
+    tier: CheckpointTier
+    step: int
+    path: Path  # GLOBAL: the step directory; LOCAL: this rank's file
+    manifest: Optional[dict] = None
+    problem: Optional[str] = None  # None = valid on this rank
+    foreign: bool = False  # another run's checkpoint: ignored, never quarantined
+    extra: dict = field(default_factory=dict)
+
+
+class CheckpointTierHandler(Protocol):
+    """One tier. All methods are collective (every rank calls them, in the same order)."""
+
+    tier: CheckpointTier
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def candidates(self, run_id: Optional[str]) -> list[Candidate]:
+        """This rank's view of the tier's checkpoints of ``run_id`` (validated; no quarantine)."""
+        ...
+
+    def quarantine(self, candidate: Candidate, reason: str) -> None:
+        """Move an invalid candidate out of the way (rename, never delete)."""
+        ...
+
+    def load(self, step: int, objs: TrainingObjects) -> str:
+        """Restore ``objs`` in place from ``step``; returns the path loaded."""
+        ...
+
+    def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
+        """Write, seal and publish (or schedule) a checkpoint of ``objs.train_state.step``.
+
+        Returns the seconds the caller was blocked, or None when the save failed everywhere.
+        """
+        ...
+
+    def finalize(self, blocking: bool) -> None:
+        """Publish finished asynchronous saves (no-op for synchronous tiers)."""
+        ...
+
+    def close(self) -> None: ...

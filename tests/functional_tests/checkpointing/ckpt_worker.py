@@ -1,0 +1,99 @@
+"""One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``.
+
+Usage: ckpt_worker.py OUT_DIR [--slow-writer SECONDS] [section.field=value ...]
+
+Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
+data) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
+TrainState, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
+``OUT_DIR/params<r>.pt`` (final parameters of this rank).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def tiny_config(overrides):
+    from tierstack.config import ConfigContainer
+
+    cfg = ConfigContainer()
+    cfg.apply_overrides([
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+        "model.transformer_impl=local", "train.micro_batch_size=2", "train.global_batch_size=4",
+        "train.eval_interval=null", "dataset.mock=true", "scheduler.lr_warmup_iters=2",
+        "scheduler.lr_decay_iters=8", "logger.log_interval=100", "logger.progress_bar=false",
+        "checkpoint.retry_backoff_s=0.1",
+    ])
+    cfg.apply_overrides(overrides)
+    return cfg
+
+
+def slow_down_writer(seconds):
+    """Make the background GLOBAL writer slow (it runs in a forked process, so the patch is inherited)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow)
+
+
+def main():
+    out = Path(sys.argv[1])
+    args = sys.argv[2:]
+    if args[:1] == ["--slow-writer"]:
+        slow_down_writer(float(args[1]))
+        args = args[2:]
+    cfg = tiny_config(args)
+    rank = int(os.environ["RANK"])
+    record = {"losses": {}, "tracker_after_step": {}}
+    tracker = Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt" if cfg.checkpoint.save else None
+
+    import torch
+
+    from tierstack.checkpointing import state as ckpt_state
+    from tierstack.training import setup as setup_mod
+    from tierstack.training.pretrain import pretrain
+
+    captured = {}
+    real_setup = setup_mod.setup
+
+    def spy_setup(c):
+        s = real_setup(c)
+        captured["s"] = s
+        return s
+
+    setup_mod.setup = spy_setup
+
+    def on_step(ts, result):
+        record["losses"][str(ts.step)] = float(result.loss).hex()
+        if tracker is not None:
+            record["tracker_after_step"][str(ts.step)] = tracker.read_text().strip() if tracker.exists() else None
+        s = captured["s"]
+        record["params"] = None
+        captured["params"] = {k: v.detach().clone() for k, v in ckpt_state.unwrap(s.model[0]).state_dict().items()
+                              if isinstance(v, torch.Tensor)}
+
+    t0 = time.time()
+    final = pretrain(cfg, on_step=on_step)
+    s = captured["s"]
+    info = s.resume_info
+    record.update(
+        resume=None if info is None else {"tier": info.tier.value, "step": info.step, "seconds": info.seconds},
+        train_state=final.state_dict(),
+        published=[e.step for e in s.checkpoint_manager.events],
+        events=[{"step": e.step, "bytes": e.bytes, "seconds": e.seconds} for e in s.checkpoint_manager.events],
+        wall_s=time.time() - t0,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    torch.save(captured.get("params", {}), out / f"params{rank}.pt")
+
+
+if __name__ == "__main__":  # the async writer starts a spawn-context manager: keep the guard
+    main()
