@@ -1,0 +1,68 @@
+"""Bad input stops the run with one clear error before any rank does work."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+RECIPE = REPO / "recipes" / "gpt_tiny.py"
+
+
+def _run_recipe(*overrides, timeout=120):
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *overrides], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def test_tp_that_does_not_divide_heads_is_refused_before_work(tmp_path):
+    proc = _run_recipe("model.num_attention_heads=3", "model.hidden_size=264", f"logger.run_dir={tmp_path}/run")
+    assert proc.returncode == 2
+    assert "model.num_attention_heads=3 is not divisible by distributed.tensor_model_parallel_size=2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_unknown_override_key_is_refused(tmp_path):
+    proc = _run_recipe("train.iters=5")
+    assert proc.returncode == 2
+    assert "unknown field train.iters" in proc.stderr and "train_iters" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_data_path_is_refused(tmp_path):
+    proc = _run_recipe(f"dataset.data_path=[{tmp_path}/nope]")
+    assert proc.returncode == 2
+    assert f"{tmp_path}/nope.bin not found" in proc.stderr
+
+
+def test_global_batch_that_does_not_divide_is_refused():
+    proc = _run_recipe("train.global_batch_size=12", "distributed.tensor_model_parallel_size=1")
+    assert proc.returncode == 2
+    assert "train.global_batch_size=12 is not divisible by train.micro_batch_size" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_refusal(tmp_path, torchrun):
+    proc = torchrun(
+        [RECIPE, "model.num_attention_heads=3", "model.hidden_size=264", f"logger.run_dir={tmp_path}/run"], timeout=120
+    )
+    assert proc.returncode != 0
+    # One error, said once (by rank 0), and only this problem: the world size of 2 fits TP=2.
+    assert proc.stderr.count("model.num_attention_heads=3 is not divisible by distributed.tensor_model_parallel_size=2") == 1
+    assert "1 problem(s)" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_jsonl_line_without_text_names_its_line(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierstack.cli", "preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert f"{data}:2" in proc.stderr and "text" in proc.stderr
+    assert not list(tmp_path.glob("out*"))
