@@ -63,6 +63,7 @@ class GlobalTier:
         self.load_root = Path(load) if load else None
         self._on_publish = on_publish
         self._queue = None
+        self._warmup = None
         self._scheduled: list[_Scheduled] = []
         self.failures: list[int] = []  # steps whose save failed (the manager decides what to do)
         if self.save_root is not None:
@@ -81,15 +82,30 @@ class GlobalTier:
         return self.load_root is not None or self.save_root is not None
 
     # ------------------------------------------------------------------ strategies
-    @staticmethod
-    def _prewarm_writer() -> None:
-        """torch_dist writers (sync and async) report through a spawned multiprocessing Manager,
-        started on first use (~4 s on 2 CPU cores): start it at setup, not inside the first save."""
-        from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+    def _prewarm_writer(self) -> None:
+        """Start the torch_dist writer's result channel in the background, at setup.
 
-        t0 = time.perf_counter()
-        _get_write_results_queue()
-        log.debug("GLOBAL writer results queue ready in %.2fs", time.perf_counter() - t0)
+        Both sync and async torch_dist saves report write results through a spawned multiprocessing
+        Manager; its server process imports torch when it first unpickles a result (~5 s on 2 CPU
+        cores). A thread pays that now; the first save joins it instead of paying it inline.
+        """
+        import threading
+
+        def warm():
+            from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+
+            q = _get_write_results_queue()
+            q.put(MetadataIndex("tierstack-warmup"))  # makes the server import torch.distributed.checkpoint
+            q.get()
+
+        self._warmup = threading.Thread(target=warm, name="tierstack-ckpt-warmup", daemon=True)
+        self._warmup.start()
+
+    def _wait_warm(self) -> None:
+        if self._warmup is not None:
+            self._warmup.join()
+            self._warmup = None
 
     def _save_strategy(self):
         from megatron.core import parallel_state
@@ -120,6 +136,7 @@ class GlobalTier:
         if self.save_root is None:
             return None
         c = self.cfg.checkpoint
+        self._wait_warm()
         t0 = time.perf_counter()
         step = objs.train_state.step
         extra = {
