@@ -45,6 +45,25 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+_STRAGGLER_PREFIX = "straggler/"
+
+
+def _straggler_summary(metrics: Mapping[str, Any]) -> list[str]:
+    """``straggler rel 0.04 ind 1.00``: the lowest score of each kind over sections (all go to mlflow)."""
+    lows = {}
+    for kind, short in (("relative", "rel"), ("individual", "ind")):
+        values = [
+            float(v)
+            for k, v in metrics.items()
+            if k.startswith(_STRAGGLER_PREFIX) and k.endswith(f"_{kind}_min") and v is not None
+        ]
+        if values:
+            lows[short] = min(values)
+    if not lows:
+        return []
+    return ["straggler " + " ".join(f"{k} {v:.2f}" for k, v in lows.items())]
+
+
 def format_step_line(iteration: int, total_iters: int, metrics: Mapping[str, Any]) -> str:
     """One console line, e.g. ``iter 120/200 | loss 2.913 | val 2.801 | lr 2.1e-03 | grad norm 0.84 |
     1712 tok/s | 1.21 s/it | eta 1m37s``. Missing or None metrics are left out; ETA comes from
@@ -54,8 +73,9 @@ def format_step_line(iteration: int, total_iters: int, metrics: Mapping[str, Any
         value = metrics.get(key)
         if value is not None:
             parts.append(fmt.format(float(value)))
+    parts.extend(_straggler_summary(metrics))
     for key, value in metrics.items():
-        if key in _KNOWN_KEYS or value is None:
+        if key in _KNOWN_KEYS or value is None or key.startswith(_STRAGGLER_PREFIX):
             continue
         parts.append(f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}")
     step_time = metrics.get(STEP_TIME_S)

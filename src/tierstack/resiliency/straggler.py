@@ -280,12 +280,25 @@ class StragglerMonitor:
         return sorted((s.rank, s.node) for s in ids)
 
     def _log_report(self, iteration: int, report: Any, stragglers: list[tuple[int, str]]) -> None:
+        """One line: per score kind, the slowest ranks by their worst section, then the verdict."""
         n = self.cfg.num_scores_to_print
-        for prefix, scores in self._scores(report).items():
-            finite = sorted(((v, r) for r, v in scores.items() if v == v))[:n]
-            if finite:
-                listed = ", ".join(f"rank {r} ({report.rank_to_node.get(r, '?')}) {v:.2f}" for v, r in finite)
-                log.info("straggler report iter %d | %s slowest: %s", iteration, prefix.split("/", 1)[1], listed)
+        parts = []
+        for kind in ("relative", "individual"):
+            worst: dict[int, tuple[float, str]] = {}  # rank -> (lowest score, where)
+            for prefix, scores in self._scores(report).items():
+                if not prefix.endswith(f"_{kind}"):
+                    continue
+                where = prefix.split("/", 1)[1][: -len(kind) - 1]
+                for r, v in scores.items():
+                    if v == v and (r not in worst or v < worst[r][0]):
+                        worst[r] = (v, where)
+            slowest = sorted(worst.items(), key=lambda item: item[1][0])[:n]
+            if slowest:
+                listed = ", ".join(
+                    f"rank {r} ({report.rank_to_node.get(r, '?')}) {v:.2f} [{where}]" for r, (v, where) in slowest
+                )
+                parts.append(f"{kind}: {listed}")
+        log.info("straggler report iter %d | slowest %s", iteration, " | ".join(parts) or "(no scores yet)")
         if stragglers:
             log.warning(
                 "straggler report iter %d | STRAGGLERS: %s%s",

@@ -24,8 +24,19 @@ def test_line_reads_like_the_example():
 
 
 def test_missing_metrics_are_left_out_and_extras_appended():
-    line = format_step_line(200, 200, {"loss": 1.0, "val_loss": None, "straggler/train_step_relative_min": 0.512})
-    assert line == "iter 200/200 | loss 1.000 | straggler/train_step_relative_min 0.512"
+    line = format_step_line(200, 200, {"loss": 1.0, "val_loss": None, "tflops": 0.51234})
+    assert line == "iter 200/200 | loss 1.000 | tflops 0.5123"
+
+
+def test_straggler_scores_are_summarised_as_the_lowest_of_each_kind():
+    metrics = {
+        "loss": 2.0,
+        "straggler/train_step_relative_min": 0.97,
+        "straggler/train_step_relative_max": 1.0,
+        "straggler/forward_step_relative_min": 0.04,
+        "straggler/forward_step_individual_min": 0.9,
+    }
+    assert format_step_line(4, 16, metrics) == "iter 4/16 | loss 2.000 | straggler rel 0.04 ind 0.90"
 
 
 def test_durations():
