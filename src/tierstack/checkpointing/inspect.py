@@ -1,0 +1,111 @@
+"""``tierstack checkpoints ls|verify PATH``: what each checkpoint under PATH holds and whether it is whole.
+
+PATH may be a GLOBAL root (``checkpoint.save``), one GLOBAL step directory, or a LOCAL root
+(``checkpoint.local_dir``). ``ls`` checks presence and sizes; ``verify`` also checks every checksum.
+Both return ``(text, exit_status)``: 0 all valid, 1 something invalid, 2 nothing found.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from tierstack.checkpointing import layout, manifest
+
+_HEADER = ("tier", "step", "size", "files", "valid", "consumed", "run", "path / problem")
+
+
+def ls(path: str) -> tuple[str, int]:
+    return _report(Path(path), checksums=False)
+
+
+def verify(path: str) -> tuple[str, int]:
+    return _report(Path(path), checksums=True)
+
+
+def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: Optional[dict], where: str) -> tuple:
+    ts = (man or {}).get("train_state", {})
+    return (
+        tier, str(step), _human(size), str(nfiles), "yes" if problem is None else "NO",
+        str(ts.get("consumed_train_samples", "-")), str((man or {}).get("run_id", "-")),
+        where if problem is None else f"{where}: {problem}",
+    )
+
+
+def _global_rows(root: Path, checksums: bool) -> list[tuple]:
+    dirs = [root] if (root / layout.MANIFEST).exists() else sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")),
+        key=lambda p: (layout.parse_step_dir(p.name.split(".")[0]) or -1, p.name),
+    )
+    rows = []
+    for d in dirs:
+        step = layout.parse_step_dir(d.name)
+        man = layout.read_json(d / layout.MANIFEST)
+        if step is None:  # staging or quarantined: listed, never valid
+            kind = "staging" if ".staging-" in d.name else "quarantined" if ".invalid-" in d.name else "other"
+            rows.append(_row("global", d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name))
+            continue
+        problem = manifest.check_manifest(man, step=step)
+        if problem is None:
+            problem = manifest.check_files(d, man["files"], checksums=checksums)
+        files = (man or {}).get("files", {})
+        rows.append(_row("global", step, int((man or {}).get("bytes", 0)), len(files), problem, man, d.name))
+    return rows
+
+
+def _local_rows(root: Path, checksums: bool) -> list[tuple]:
+    per_step: dict[int, list] = defaultdict(list)
+    ranks = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+    for r in ranks:
+        for f in (root / str(r)).iterdir():
+            parsed = layout.parse_local_file(f.name)
+            if parsed is None:
+                continue
+            man = layout.read_json(f.with_name(layout.local_manifest_name(parsed[0], parsed[1])))
+            problem = manifest.check_manifest(man, step=parsed[0])
+            if problem is None:
+                problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
+            per_step[parsed[0]].append((r, man, problem))
+    rows = []
+    for step in layout.sorted_steps(per_step):
+        entries = per_step[step]
+        problems = [f"rank {r}: {p}" for r, _, p in entries if p is not None]
+        if len(entries) != len(ranks):
+            problems.append(f"only {len(entries)} of {len(ranks)} ranks")
+        man = next((m for _, m, _ in entries if m), None)
+        size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
+        rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, f"{len(entries)} rank files"))
+    return rows
+
+
+def _report(path: Path, checksums: bool) -> tuple[str, int]:
+    if not path.is_dir():
+        return f"{path}: not a directory", 2
+    is_local = any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
+    rows = _local_rows(path, checksums) if is_local else _global_rows(path, checksums)
+    if not rows:
+        return f"{path}: no checkpoints", 2
+    lines = [f"{path} ({'LOCAL' if is_local else 'GLOBAL'} tier)"]
+    tracker = path / layout.TRACKER_ITERATION
+    if tracker.exists():
+        lines.append(f"tracker: latest step {tracker.read_text().strip()}")
+    run = layout.read_run_file(path)
+    if run:
+        lines.append(f"run family: {run['run_id']}")
+    table = [_HEADER] + rows
+    widths = [max(len(r[i]) for r in table) for i in range(len(_HEADER) - 1)]
+    for r in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    bad = sum(1 for r in rows if r[4] != "yes")
+    lines.append(f"{len(rows)} checkpoint(s), {bad} invalid" + ("" if checksums else " (sizes only; `verify` checks checksums)"))
+    return "\n".join(lines), (1 if bad else 0)
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return f"{n}B"
