@@ -1,0 +1,211 @@
+"""Single-process tests of the file-level pieces: retention, trackers, manifests, retries, names."""
+
+import errno
+import json
+import os
+
+import pytest
+
+from tierstack.checkpointing import inspect as ckpt_inspect
+from tierstack.checkpointing import layout, manifest, retention, retry
+
+
+def _global_ckpt(root, step, run_id="runA", payload=b"x" * 100):
+    d = root / layout.step_dir_name(step)
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(payload)
+    (d / "common.pt").write_bytes(b"common")
+    man = manifest.build_manifest(
+        tier="global", step=step, run_id=run_id, topology={"world_size": 2},
+        train_state={"step": step, "consumed_train_samples": step * 4},
+        files=manifest.describe_files(d, manifest.list_files(d)),
+    )
+    manifest.write_manifest(d / layout.MANIFEST, man)
+    return d
+
+
+# ------------------------------------------------------------------ retention
+def test_steps_sort_numerically():
+    assert layout.sorted_steps([1000, 999, 20]) == [20, 999, 1000]
+    assert layout.parse_step_dir("iter_0001000") == 1000
+    assert layout.parse_step_dir("iter_10000000") == 10000000
+
+
+def test_retention_keeps_k_newest_and_never_newer_than_published():
+    assert retention.steps_to_delete([10, 20, 30], published=30, k=2) == [10]
+    assert retention.steps_to_delete([999, 1000, 1001], published=1001, k=2) == [999]
+    # a run resumed at 20 with ckpt_step leaves 30 (newer) alone
+    assert retention.steps_to_delete([10, 20, 30], published=20, k=1) == [10]
+    assert retention.steps_to_delete([10, 20, 30], published=30, k=-1) == []
+
+
+def test_prune_global_leaves_other_runs_and_staging(tmp_path):
+    for s in (999, 1000, 1001):
+        _global_ckpt(tmp_path, s)
+    foreign = _global_ckpt(tmp_path, 5, run_id="runB")
+    staging = tmp_path / layout.staging_dir_name(998, "runA", 1)
+    staging.mkdir()
+    deleted = retention.prune_global(tmp_path, "runA", published=1001, k=2)
+    assert deleted == [999]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["iter_0001000", "iter_0001001", foreign.name, staging.name]
+    )
+
+
+def test_prune_local_keeps_k(tmp_path):
+    rank_dir = tmp_path / "0"
+    rank_dir.mkdir()
+    for s in (10, 20, 30):
+        (rank_dir / layout.local_file_name(s, 0)).write_bytes(b"data")
+        layout.atomic_write_json(rank_dir / layout.local_manifest_name(s, 0), {"run_id": "runA"})
+    (rank_dir / layout.local_file_name(5, 0)).write_bytes(b"other run")
+    layout.atomic_write_json(rank_dir / layout.local_manifest_name(5, 0), {"run_id": "runB"})
+    assert retention.prune_local(rank_dir, 0, "runA", published=30, k=2) == [10]
+    left = sorted(p.name for p in rank_dir.iterdir() if p.suffix == ".pt")
+    assert left == [layout.local_file_name(s, 0) for s in (5, 20, 30)]
+
+
+# ------------------------------------------------------------------ trackers
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    tracker = tmp_path / layout.TRACKER_ITERATION
+    layout.atomic_write_text(tracker, "10\n")
+    layout.atomic_write_text(tracker, "20\n")
+    assert tracker.read_text() == "20\n"
+    assert [p.name for p in tmp_path.iterdir()] == [layout.TRACKER_ITERATION]
+
+
+def test_atomic_write_failure_keeps_old_content(tmp_path, monkeypatch):
+    tracker = tmp_path / layout.TRACKER_ITERATION
+    layout.atomic_write_text(tracker, "10\n")
+
+    def broken_replace(src, dst):
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        layout.atomic_write_text(tracker, "20\n")
+    assert tracker.read_text() == "10\n"
+
+
+# ------------------------------------------------------------------ manifests
+def test_manifest_detects_truncated_and_corrupted_files(tmp_path):
+    d = _global_ckpt(tmp_path, 20)
+    man = layout.read_json(d / layout.MANIFEST)
+    assert manifest.check_manifest(man, step=20) is None
+    assert manifest.check_files(d, man["files"]) is None
+    shard = d / "__0_0.distcp"
+    shard.write_bytes(b"x" * 50)  # truncated
+    assert manifest.check_files(d, man["files"]).startswith("size-mismatch")
+    shard.write_bytes(b"y" * 100)  # same size, other bytes
+    assert manifest.check_files(d, man["files"], checksums=False) is None
+    assert manifest.check_files(d, man["files"]).startswith("checksum-mismatch")
+    shard.unlink()
+    assert manifest.check_files(d, man["files"]).startswith("missing-file")
+
+
+def test_manifest_header_checks():
+    man = {"format_version": layout.FORMAT_VERSION, "step": 3, "run_id": "a", "files": {},
+           "train_state": {}, "topology": {"tp": 2}}
+    assert manifest.check_manifest(None) == "no-manifest"
+    assert manifest.check_manifest(man, step=4).startswith("step-mismatch")
+    assert manifest.check_manifest(man, run_id="b") == "other-run"
+    assert manifest.check_manifest(man, topology={"tp": 1}) == "topology-changed"
+
+
+def test_inspect_verify_reports_invalid(tmp_path):
+    _global_ckpt(tmp_path, 10)
+    d = _global_ckpt(tmp_path, 20)
+    text, status = ckpt_inspect.verify(str(tmp_path))
+    assert status == 0 and "2 checkpoint(s), 0 invalid" in text
+    (d / "common.pt").write_bytes(b"COMMON")
+    text, status = ckpt_inspect.verify(str(tmp_path))
+    assert status == 1 and "checksum-mismatch common.pt" in text
+    assert ckpt_inspect.ls(str(tmp_path))[1] == 0  # sizes still match
+    assert ckpt_inspect.ls(str(tmp_path / "missing"))[1] == 2
+
+
+# ------------------------------------------------------------------ names
+def test_staging_and_quarantined_names_are_never_candidates(tmp_path):
+    assert layout.parse_step_dir(layout.staging_dir_name(20, "runA", 1)) is None
+    d = _global_ckpt(tmp_path, 20)
+    moved = layout.quarantine(d, "checksum-mismatch common.pt")
+    assert moved.name.startswith("iter_0000020.invalid-checksum-mismatch")
+    assert layout.parse_step_dir(moved.name) is None
+    assert layout.parse_local_file("iter_0000020_0_local.dirty.pt") is None
+    assert layout.parse_local_file("iter_0000020_0_local.pt.invalid-x") is None
+    assert layout.parse_local_file("iter_0000020_1_local.pt") == (20, 1)
+
+
+def test_run_file_roundtrip(tmp_path):
+    assert layout.read_run_file(tmp_path) is None
+    layout.write_run_file(tmp_path, "abc")
+    info = layout.read_run_file(tmp_path)
+    assert info["run_id"] == "abc" and json.loads((tmp_path / layout.RUN_FILE).read_text())["run_id"] == "abc"
+
+
+# ------------------------------------------------------------------ retries
+@pytest.mark.parametrize("code", sorted(retry.TRANSIENT_ERRNOS))
+def test_transient_errnos_are_retried(code):
+    calls = []
+
+    def attempt(n):
+        calls.append(n)
+        if n < 3:
+            raise OSError(code, os.strerror(code))
+        return "ok"
+
+    failed = []
+    out = retry.run_attempts(attempt, attempts=3, backoff_s=0.01, sleep=lambda s: None,
+                             on_failure=lambda n, e: failed.append(n))
+    assert out == "ok" and calls == [1, 2, 3] and failed == [1, 2]
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.EACCES, "x"), OSError(errno.EROFS, "x"),
+                                 OSError(errno.ENOSPC, "x"), TypeError("bug")])
+def test_permanent_errors_are_not_retried(exc):
+    calls = []
+
+    def attempt(n):
+        calls.append(n)
+        raise exc
+
+    with pytest.raises(retry.SaveAttemptFailed) as info:
+        retry.run_attempts(attempt, attempts=5, backoff_s=0.01, sleep=lambda s: None)
+    assert calls == [1] and not info.value.transient
+
+
+def test_retries_stop_after_attempts_and_back_off_exponentially():
+    sleeps = []
+
+    def attempt(n):
+        raise OSError(errno.EIO, "flaky disk")
+
+    with pytest.raises(retry.SaveAttemptFailed) as info:
+        retry.run_attempts(attempt, attempts=4, backoff_s=1.0, sleep=sleeps.append)
+    assert info.value.transient and sleeps == [1.0, 2.0, 4.0]
+
+
+def test_decision_is_collective():
+    """A rank whose own attempt succeeded still fails (and retries) when another rank failed."""
+    worst = {"value": retry.TRANSIENT}  # what "the other rank" reports in the all-reduce
+    calls = []
+
+    def reduce_max(v):
+        out = max(v, worst["value"])
+        worst["value"] = retry.OK  # the other rank succeeds on the retry
+        return out
+
+    out = retry.run_attempts(lambda n: calls.append(n) or n, attempts=3, backoff_s=0.0,
+                             sleep=lambda s: None, reduce_max=reduce_max)
+    assert calls == [1, 2] and out == 2
+
+
+def test_wrapped_causes_are_classified():
+    try:
+        try:
+            raise OSError(errno.ESTALE, "stale handle")
+        except OSError as inner:
+            raise RuntimeError("write failed") from inner
+    except RuntimeError as outer:
+        assert retry.classify(outer) == retry.TRANSIENT
+    assert retry.classify(None) == retry.OK
