@@ -25,7 +25,9 @@ def configure_logging(level: int = logging.INFO) -> None:
         prefix = "" if rank == 0 else f"[rank {rank}] "
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
-    root.setLevel(level if rank == 0 else logging.WARNING)
+    # Libraries that log INFO on the root logger (NVRx local checkpointing does) stay quiet;
+    # tierstack's own lines say what happened.
+    root.setLevel(logging.WARNING)
     logging.getLogger("tierstack").setLevel(level if rank == 0 else logging.WARNING)
     for noisy in ("megatron", "megatron.core", "nvidia_resiliency_ext", "mlflow", "alembic", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -60,6 +62,8 @@ def run_reporters(s):
         yield progress, history
     finally:
         progress.close()
+        # Publish in-flight async saves first, so the image marks every checkpoint of the run.
+        s.checkpoint_manager.close()
         if rank == 0:
             _write_loss_curve(s, history, run_dir)
 

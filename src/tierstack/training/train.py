@@ -58,6 +58,7 @@ def train(
         )
         return ts
     window_time, window_tokens = 0.0, 0
+    start_step = ts.step
     stop: Optional[str] = None
     while ts.step < cfg.train.train_iters:
         if s.straggler is not None:
@@ -91,7 +92,8 @@ def train(
                         f"{r} ({node})" for r, node in report.stragglers
                     )
 
-        if ts.step % cfg.logger.log_interval == 0 or ts.step == cfg.train.train_iters or "val_loss" in metrics:
+        first_of_run = ts.step == start_step + 1  # shows where a run (or a resume) starts
+        if first_of_run or ts.step % cfg.logger.log_interval == 0 or ts.step == cfg.train.train_iters or "val_loss" in metrics:
             metrics["tokens_per_s"] = window_tokens / window_time if window_time > 0 else math.nan
             metrics["step_time_s"] = window_time / max(1, round(window_tokens / result.tokens))
             window_time, window_tokens = 0.0, 0
