@@ -1,0 +1,166 @@
+"""Two CPU ranks under torchrun: exact resume from each tier, tier choice, resharding, async, retention.
+
+Each scenario launches ``ckpt_worker.py`` (tierstack.pretrain on a tiny GPT) one or more times.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstack.checkpointing import inspect as ckpt_inspect
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+TOPOLOGIES = {
+    "tp2": ["distributed.tensor_model_parallel_size=2"],
+    "pp2": ["distributed.pipeline_model_parallel_size=2"],
+    "dp2_distopt": ["optimizer.use_distributed_optimizer=true"],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out: Path, *overrides: str, slow_writer: float = 0.0) -> list[dict]:
+    """Run the worker on 2 ranks; returns each rank's record (params under key "params")."""
+    extra = ["--slow-writer", str(slow_writer)] if slow_writer else []
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(WORKER), str(out),
+           *extra, f"logger.run_dir={out}/run", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    records = []
+    for r in range(2):
+        rec = json.loads((out / f"rank{r}.json").read_text())
+        rec["params"] = torch.load(out / f"params{r}.pt")
+        rec["log"] = proc.stdout + proc.stderr
+        records.append(rec)
+    return records
+
+
+def assert_same_run(straight: list[dict], resumed: list[dict], from_step: int) -> None:
+    for a, b in zip(straight, resumed):
+        expected = {k: v for k, v in a["losses"].items() if int(k) > from_step}
+        assert b["losses"] == expected  # float hex: bit-identical
+        assert a["params"].keys() == b["params"].keys()
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+        assert b["train_state"]["step"] == a["train_state"]["step"]
+        assert b["train_state"]["consumed_train_samples"] == a["train_state"]["consumed_train_samples"]
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory):
+    """TP=2, 8 steps straight, both tiers saved at 4 and 8 (shared by the resharding test)."""
+    root = tmp_path_factory.mktemp("tp2")
+    return root, _straight(root, TOPOLOGIES["tp2"])
+
+
+def _straight(root: Path, topo: list[str]) -> list[dict]:
+    return launch(
+        root / "straight", *topo, "train.train_iters=8",
+        f"checkpoint.save={root}/global", "checkpoint.save_interval=4",
+        f"checkpoint.local_dir={root}/local", "checkpoint.local_save_interval=4",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_exact_resume_from_each_tier(topology, tp2_run, tmp_path):
+    """N steps straight vs resume at N/2 and N/2 more: identical losses and parameters, both tiers.
+
+    The straight run saved step 4 in both tiers; ``ckpt_step=4`` in a new process is the stop and
+    resume at N/2 (the schedule length is fixed by scheduler.lr_decay_iters=8).
+    """
+    if topology == "tp2":
+        root, straight = tp2_run
+    else:
+        root, straight = tmp_path, _straight(tmp_path, TOPOLOGIES[topology])
+    topo = TOPOLOGIES[topology]
+    assert [e["step"] for e in straight[0]["events"]] == [4, 8]
+    # GLOBAL only (no LOCAL tier configured)
+    from_global = launch(root / "rg", *topo, "train.train_iters=8", f"checkpoint.load={root}/global",
+                         "checkpoint.ckpt_step=4")
+    assert from_global[0]["resume"]["tier"] == "global" and from_global[0]["resume"]["step"] == 4
+    assert_same_run(straight, from_global, 4)
+    # both tiers hold step 4: the tie goes to LOCAL
+    from_local = launch(root / "rl", *topo, "train.train_iters=8", f"checkpoint.load={root}/global",
+                        f"checkpoint.local_dir={root}/local", "checkpoint.ckpt_step=4")
+    assert from_local[0]["resume"] == {**from_local[0]["resume"], "tier": "local", "step": 4}
+    assert_same_run(straight, from_local, 4)
+
+
+@pytest.mark.slow
+def test_tp_change_skips_local_and_reshards_global(tp2_run):
+    """Checkpoints written at TP=2 (non-distributed optimizer) resume at PP=2: LOCAL is skipped."""
+    root, _ = tp2_run
+    out = launch(root / "pp2", "distributed.pipeline_model_parallel_size=2", "train.train_iters=10",
+                 f"checkpoint.load={root}/global", f"checkpoint.local_dir={root}/local")
+    assert out[0]["resume"]["tier"] == "global" and out[0]["resume"]["step"] == 8
+    assert "skipping local checkpoint of step 8 (topology-changed)" in out[0]["log"]
+    assert out[0]["train_state"]["step"] == 10 and out[0]["train_state"]["consumed_train_samples"] == 40
+    assert all(abs(float.fromhex(v)) < 10 for v in out[0]["losses"].values())
+
+
+@pytest.mark.slow
+def test_local_only_then_newer_tier_wins(tmp_path):
+    g, loc = tmp_path / "global", tmp_path / "local"
+    # 1) LOCAL only, step 3
+    launch(tmp_path / "a", "train.train_iters=3", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=3")
+    assert not g.exists()
+    # 2) no GLOBAL checkpoint exists: resume from LOCAL with every counter restored
+    b = launch(tmp_path / "b", "train.train_iters=5", f"checkpoint.local_dir={loc}",
+               "checkpoint.local_save_interval=2", f"checkpoint.save={g}", "checkpoint.save_interval=4")
+    assert b[0]["resume"]["tier"] == "local" and b[0]["resume"]["step"] == 3
+    assert sorted(b[0]["losses"], key=int) == ["4", "5"]
+    ts = b[0]["train_state"]
+    assert ts["step"] == 5 and ts["consumed_train_samples"] == 20 and ts["resumed_from"] == [3]
+    # LOCAL holds 3 and 4, GLOBAL 4 and 5 (final save): the newer, GLOBAL 5, wins
+    c = launch(tmp_path / "c", "train.train_iters=6", f"checkpoint.local_dir={loc}", f"checkpoint.save={g}")
+    assert c[0]["resume"]["tier"] == "global" and c[0]["resume"]["step"] == 5
+    assert c[0]["train_state"]["run_id"] == b[0]["train_state"]["run_id"] == c[1]["train_state"]["run_id"]
+    text, status = ckpt_inspect.verify(str(g))
+    assert status == 0 and "global  6" in text
+
+
+@pytest.mark.slow
+def test_async_save_publishes_the_scheduled_step(tmp_path):
+    """The writer sleeps 3 s: training moves on, the tracker appears only at finalize, with the
+    scheduled step; the run ends right after scheduling step 4 and exits only after publishing it."""
+    g = tmp_path / "global"
+    out = launch(tmp_path / "run", "train.train_iters=4", f"checkpoint.save={g}", "checkpoint.save_interval=2",
+                 "checkpoint.async_save=true", slow_writer=3.0)
+    assert out[0]["tracker_after_step"] == {"1": None, "2": None, "3": None, "4": None}
+    assert [e["step"] for e in out[0]["events"]] == [2, 4] == [e["step"] for e in out[1]["events"]]
+    assert (g / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert torch.load(g / "latest_train_state.pt")["step"] == 4
+    for step in (2, 4):
+        man = json.loads((g / f"iter_{step:07d}" / "manifest.json").read_text())
+        assert man["step"] == step and man["train_state"]["step"] == step
+        assert man["train_state"]["consumed_train_samples"] == 4 * step
+    assert not [p for p in g.iterdir() if ".staging-" in p.name]
+    assert ckpt_inspect.verify(str(g))[1] == 0
+
+
+@pytest.mark.slow
+def test_retention_keeps_two_newest_in_each_tier(tmp_path):
+    g, loc = tmp_path / "global", tmp_path / "local"
+    foreign = g / "iter_0000025"  # left by another tool/run: no manifest, never counted or deleted
+    foreign.mkdir(parents=True)
+    (foreign / "weights.bin").write_bytes(b"not ours")
+    launch(tmp_path / "run", "train.train_iters=30", f"checkpoint.save={g}", "checkpoint.save_interval=10",
+           f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=10", "checkpoint.most_recent_k=2")
+    assert sorted(p.name for p in g.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000020", "iter_0000025", "iter_0000030"]
+    for r in (0, 1):
+        assert sorted(p.name for p in (loc / str(r)).iterdir() if p.suffix == ".pt") == [
+            f"iter_0000020_{r}_local.pt", f"iter_0000030_{r}_local.pt"]
+    assert ckpt_inspect.verify(str(loc))[1] == 0
