@@ -57,6 +57,10 @@ def train(
             cfg.train.train_iters,
         )
         return ts
+    if s.straggler is not None:
+        # The whole step ends in a gradient all-reduce where a fast rank waits for a slow one, so
+        # step time alone hides a straggler on CPU; the forward step has no such wait.
+        forward_step_func = s.straggler.wrap_forward_step(forward_step_func)
     window_time, window_tokens = 0.0, 0
     start_step = ts.step
     stop: Optional[str] = None
@@ -119,6 +123,8 @@ def train(
         s.checkpoint_manager.save(final_tier, objs)
     if stop:
         log.warning("stopping at iteration %d: %s", ts.step, stop)
+        if s.tracker is not None:
+            s.tracker.set_tag("stop_reason", stop)
     return ts
 
 

@@ -31,11 +31,6 @@ def run_pretrain(run_root, slow_rank, sleep_s, *overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="train() times the whole step only; it must also time the forward step: "
-    "forward_step_func = s.straggler.wrap_forward_step(forward_step_func) (verified by hand to pass then)",
-    strict=False,
-)
 def test_straggler_stop_saves_global_then_rerun_resumes(tmp_path):
     node = socket.gethostname()
     log = run_pretrain(
