@@ -85,6 +85,7 @@ def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> Non
     unwrap(objs.model[0]).load_state_dict(loaded[MODEL], strict=True)
     if optim:
         objs.optimizer.load_state_dict(loaded[OPTIMIZER])
+        _restore_per_param_adam_steps(objs.optimizer)
     else:
         # Model-only load: the optimizer's fp32 copies must follow the loaded weights.
         for opt in inner_optimizers(objs.optimizer):
@@ -95,3 +96,21 @@ def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> Non
     objs.train_state.load_state_dict(loaded[TRAIN_STATE])
     if rng and loaded.get(RNG) is not None:
         platform.set_rng_state(loaded[RNG])
+
+
+def _restore_per_param_adam_steps(optimizer: Any) -> None:
+    """DistributedOptimizer restores Adam's step count into ``param_groups[i]["step"]`` (what fused
+    Adam kernels read), while torch's Adam (the CPU fallback) reads ``state[p]["step"]``, left at the
+    dummy value 1 by the pre-load initialisation. Without this the bias correction after a resume
+    is that of step 1 and the run is no longer exact."""
+    for opt in inner_optimizers(optimizer):
+        torch_opt = getattr(opt, "optimizer", None)
+        if torch_opt is None:
+            continue
+        for group in torch_opt.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                st = torch_opt.state.get(p)
+                if st and isinstance(st.get("step"), torch.Tensor):
+                    st["step"].fill_(float(group["step"]))

@@ -43,6 +43,42 @@ def slow_down_writer(seconds):
     FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow)
 
 
+def _ensure_grad_finalization(model, record):
+    """The DP gradient all-reduce and the PP tied-embedding all-reduce run in megatron-core's
+    ``finalize_model_grads``, which the schedules call only when the model config names it. Set it
+    here when the training setup has not (so DP=2 and PP=2 train as they should)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    mc = get_model_config(model[0])
+    record["finalize_set_by_worker"] = mc.finalize_model_grads_func is None
+    if mc.finalize_model_grads_func is None:
+        mc.finalize_model_grads_func = finalize_model_grads
+
+
+def _optim_sums(optimizer):
+    """Adam state fingerprint (moments and step counters) of this rank."""
+    from tierstack.checkpointing import state as ckpt_state
+
+    out = {}
+    for i, opt in enumerate(ckpt_state.inner_optimizers(optimizer)):
+        torch_opt = opt.optimizer
+        for j, group in enumerate(torch_opt.param_groups):
+            out[f"{i}.group{j}"] = {k: str(v) for k, v in group.items() if k != "params"}
+            for n, p in enumerate(group["params"]):
+                for k, v in torch_opt.state.get(p, {}).items():
+                    out[f"{i}.{j}.{n}.{k}"] = float(v.double().sum()).hex() if hasattr(v, "double") else str(v)
+    return out
+
+
+def _param_sums(model):
+    """Per-parameter sums as float hex: a cheap fingerprint to locate where two runs diverge."""
+    from tierstack.checkpointing import state as ckpt_state
+
+    sd = ckpt_state.unwrap(model[0]).state_dict()
+    return {k: float(v.double().sum()).hex() for k, v in sd.items() if hasattr(v, "double") and v.is_floating_point()}
+
+
 def main():
     out = Path(sys.argv[1])
     args = sys.argv[2:]
@@ -51,7 +87,7 @@ def main():
         args = args[2:]
     cfg = tiny_config(args)
     rank = int(os.environ["RANK"])
-    record = {"losses": {}, "tracker_after_step": {}}
+    record = {"losses": {}, "tracker_after_step": {}, "param_sums": {}}
     tracker = Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt" if cfg.checkpoint.save else None
 
     import torch
@@ -66,6 +102,9 @@ def main():
     def spy_setup(c):
         s = real_setup(c)
         captured["s"] = s
+        _ensure_grad_finalization(s.model, record)
+        record["param_sums"]["resume"] = _param_sums(s.model)
+        record["optim_sums"] = {"resume": _optim_sums(s.optimizer)}
         return s
 
     setup_mod.setup = spy_setup
@@ -75,7 +114,8 @@ def main():
         if tracker is not None:
             record["tracker_after_step"][str(ts.step)] = tracker.read_text().strip() if tracker.exists() else None
         s = captured["s"]
-        record["params"] = None
+        record["param_sums"][str(ts.step)] = _param_sums(s.model)
+        record.setdefault("optim_sums", {})[str(ts.step)] = _optim_sums(s.optimizer)
         captured["params"] = {k: v.detach().clone() for k, v in ckpt_state.unwrap(s.model[0]).state_dict().items()
                               if isinstance(v, torch.Tensor)}
 
