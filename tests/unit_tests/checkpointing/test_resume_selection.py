@@ -1,0 +1,99 @@
+"""Resume selection over real files, single process (collectives reduce to the local view)."""
+
+import pytest
+
+from tierstack.checkpointing import layout, manifest, selection
+from tierstack.checkpointing.global_tier import GlobalTier
+from tierstack.checkpointing.local_tier import LocalTier
+from tierstack.checkpointing.types import CheckpointTier
+from tierstack.config import ConfigContainer
+from tierstack.platform import ParallelLayout
+
+LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
+                        pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,
+                        pipeline_model_parallel_rank=0, data_parallel_rank=0)
+
+
+def _cfg(tmp_path):
+    cfg = ConfigContainer()
+    cfg.checkpoint.load = str(tmp_path / "global")  # load only: no writer is started
+    cfg.checkpoint.local_dir = str(tmp_path / "local")
+    return cfg
+
+
+def _global(root, step, run_id="runA"):
+    d = root / layout.step_dir_name(step)
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    man = manifest.build_manifest(tier="global", step=step, run_id=run_id, topology=LAYOUT.topology(),
+                                  train_state={"step": step}, files=manifest.describe_files(d, ["__0_0.distcp"]))
+    manifest.write_manifest(d / layout.MANIFEST, man)
+    return d
+
+
+def _local(root, step, run_id="runA", topology=None):
+    d = root / "0"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / layout.local_file_name(step, 0)).write_bytes(b"local" * 10)
+    man = manifest.build_manifest(tier="local", step=step, run_id=run_id, topology=topology or LAYOUT.topology(),
+                                  train_state={"step": step},
+                                  files=manifest.describe_files(d, [layout.local_file_name(step, 0)]))
+    manifest.write_manifest(d / layout.local_manifest_name(step, 0), man)
+
+
+def _tiers(tmp_path):
+    cfg = _cfg(tmp_path)
+    return [LocalTier(cfg, LAYOUT), GlobalTier(cfg, LAYOUT, lambda e: None)]
+
+
+def test_newest_valid_wins_and_invalid_is_quarantined(tmp_path):
+    g = tmp_path / "global"
+    for s in (999, 1000):
+        _global(g, s)
+    bad = _global(g, 1001)
+    (bad / "__0_0.distcp").write_bytes(b"\0" * 1024)  # same size, other bytes
+    (g / layout.staging_dir_name(2000, "runA", 1)).mkdir()  # never a candidate
+    _global(g, 3000, run_id="runB")  # another run's: ignored, left alone
+    chosen = selection.select(_tiers(tmp_path), family="runA")
+    assert chosen.handler.tier is CheckpointTier.GLOBAL and chosen.step == 1000
+    assert chosen.quarantined == ["global step 1001: checksum-mismatch __0_0.distcp"]
+    names = sorted(p.name for p in g.iterdir())
+    assert "iter_0001001.invalid-checksum-mismatch" in names
+    assert "iter_0003000" in names and layout.staging_dir_name(2000, "runA", 1) in names
+
+
+def test_tie_goes_to_local_and_newer_global_beats_local(tmp_path):
+    _global(tmp_path / "global", 20)
+    _local(tmp_path / "local", 20)
+    chosen = selection.select(_tiers(tmp_path), family="runA")
+    assert (chosen.handler.tier, chosen.step) == (CheckpointTier.LOCAL, 20)
+    _global(tmp_path / "global", 30)
+    chosen = selection.select(_tiers(tmp_path), family="runA")
+    assert (chosen.handler.tier, chosen.step) == (CheckpointTier.GLOBAL, 30)
+
+
+def test_local_at_other_topology_is_skipped_not_quarantined(tmp_path):
+    _global(tmp_path / "global", 10)
+    _local(tmp_path / "local", 20, topology={**LAYOUT.topology(), "tensor_model_parallel_size": 2})
+    chosen = selection.select(_tiers(tmp_path), family="runA")
+    assert (chosen.handler.tier, chosen.step) == (CheckpointTier.GLOBAL, 10)
+    assert chosen.skipped == ["local step 20: topology-changed"] and not chosen.quarantined
+    assert (tmp_path / "local" / "0" / layout.local_file_name(20, 0)).exists()
+
+
+def test_ckpt_step_and_nothing_valid(tmp_path):
+    _global(tmp_path / "global", 10)
+    _global(tmp_path / "global", 20)
+    chosen = selection.select(_tiers(tmp_path), family="runA", ckpt_step=10)
+    assert chosen.step == 10
+    (tmp_path / "global" / "iter_0000020" / "__0_0.distcp").write_bytes(b"short")
+    (tmp_path / "global" / "iter_0000010" / "__0_0.distcp").unlink()
+    chosen = selection.select(_tiers(tmp_path), family="runA")
+    assert chosen.handler is None and len(chosen.quarantined) == 2
+
+
+def test_family_is_the_run_file_written_last(tmp_path):
+    layout.write_run_file(tmp_path / "global", "old")
+    layout.write_run_file(tmp_path / "local", "new")
+    assert selection.agree_family([tmp_path / "global", tmp_path / "local"]) == "new"
+    assert selection.agree_family([tmp_path / "nothing"]) is None
