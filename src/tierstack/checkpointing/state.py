@@ -112,5 +112,8 @@ def _restore_per_param_adam_steps(optimizer: Any) -> None:
                 continue
             for p in group["params"]:
                 st = torch_opt.state.get(p)
-                if st and isinstance(st.get("step"), torch.Tensor):
-                    st["step"].fill_(float(group["step"]))
+                old = st.get("step") if st else None
+                if isinstance(old, torch.Tensor):
+                    # A new tensor per parameter: the dummy initialisation may share one, and Adam
+                    # increments each parameter's step in place.
+                    st["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
