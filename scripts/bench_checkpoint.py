@@ -1,0 +1,550 @@
+"""Checkpoint performance: tierstack's two tiers against the machine's limits and PyTorch's own savers.
+
+Everything is measured in one run, on the same model + optimizer state, on every rank at once
+(throughputs are aggregate over ranks: all ranks' bytes / the slowest rank's time):
+
+1. Limits: ``copy_`` of the state size into a preallocated buffer (what a snapshot costs at least),
+   durable write (write + fsync) into the save directory, cold read (page cache evicted with
+   ``posix_fadvise(DONTNEED)``), and the bytes of model + optimizer state per rank.
+2. Ours (``CheckpointManager``): blocking time of a GLOBAL sync save, a GLOBAL async save (plus the
+   extra step time of the training steps that run while its writer does), a LOCAL save; the time to
+   durable (published and fsync'd; a LOCAL save does not fsync, so its files are fsync'd after it and
+   that time is added); resume from each tier, warm and with the checkpoint evicted from the page cache.
+3. Peers on the same tensors: ``torch.save`` per rank (+ fsync), ``torch.distributed.checkpoint.save``
+   and ``async_save`` (FileSystemWriter, which fsyncs).
+
+Each figure is the median of ``--reps`` repetitions, with min and max; ratios are medians over medians.
+
+Run: .venv/bin/torchrun --nproc-per-node 2 scripts/bench_checkpoint.py [--scale default|1gib] [--reps N]
+     [--profile global-sync|global-async|local|resume-global|resume-local]  (cProfile on rank 0, one save)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import logging
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+GB = 1e9
+_CHUNK = 64 << 20
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def bench_config(scale: str, root: Path):
+    """The default recipe (``recipes/gpt_tiny.py``), or it widened until one rank holds >= 1 GiB."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    from gpt_tiny import gpt_tiny_config
+
+    cfg = gpt_tiny_config()
+    if scale == "1gib":
+        # hidden 256 -> 2048 at TP=2: ~100M parameters per rank, x12 bytes (fp32 weight + Adam m, v).
+        # A short sequence and one sample per step keep a step near a second on 2 CPU cores; the
+        # state to checkpoint does not depend on the batch.
+        cfg.model.hidden_size = 2048
+        cfg.model.seq_length = 64
+        cfg.train.micro_batch_size = 1
+        cfg.train.global_batch_size = 1
+    c = cfg.checkpoint
+    c.save, c.local_dir = str(root / "global_sync"), str(root / "local")
+    c.save_interval = c.local_save_interval = None  # saves are called explicitly
+    c.most_recent_k = 1
+    c.async_save = False
+    cfg.straggler, cfg.mlflow = None, None
+    return cfg
+
+
+def with_checkpoint(cfg, **fields):
+    out = copy.deepcopy(cfg)
+    for k, v in fields.items():
+        setattr(out.checkpoint, k, v)
+    return out
+
+
+def synthetic_batches(cfg, vocab: int):
+    """Fixed random tokens, the same on every rank (TP ranks must see the same batch)."""
+    g = torch.Generator().manual_seed(0)
+    mb, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    tokens = torch.randint(0, vocab, (mb, s + 1), generator=g)
+    batch = {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones(mb, s),
+        "position_ids": torch.arange(s).unsqueeze(0).expand(mb, -1).contiguous(),
+    }
+    while True:
+        yield batch
+
+
+@dataclass
+class Bench:
+    cfg: object
+    layout: object
+    objs: object
+    data: object
+    root: Path
+    state_bytes: int = 0  # this rank
+    total_state_bytes: int = 0  # all ranks
+    flat: dict = field(default_factory=dict)  # the same tensors, flat, for the peers
+
+    def step(self) -> float:
+        """One training step; returns its seconds (slowest rank)."""
+        from tierstack.training.forward import gpt_forward_step
+        from tierstack.training.loop import train_step
+
+        o = self.objs
+        t0 = time.perf_counter()
+        train_step(gpt_forward_step, self.data, o.model, o.optimizer, o.scheduler, self.cfg,
+                   self.layout.data_parallel_size)
+        o.train_state.step += 1
+        return max_over_ranks(time.perf_counter() - t0)
+
+
+def build(cfg, root: Path) -> Bench:
+    from tierstack import platform
+    from tierstack.checkpointing import TrainingObjects
+    from tierstack.data.tokenizers import build_tokenizer
+    from tierstack.models.gpt import gpt_model_provider
+    from tierstack.training.optim import build_model, build_optimizer, build_scheduler
+    from tierstack.training.state import TrainState
+
+    d = cfg.distributed
+    layout = platform.initialize_distributed(tensor_model_parallel_size=d.tensor_model_parallel_size,
+                                             pipeline_model_parallel_size=d.pipeline_model_parallel_size,
+                                             seed=cfg.rng.seed)
+    vocab = build_tokenizer(cfg.tokenizer).vocab_size
+    model = build_model(cfg, gpt_model_provider(cfg, vocab))
+    optimizer = build_optimizer(cfg, model)
+    objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer),
+                           train_state=TrainState(), config=cfg)
+    return Bench(cfg, layout, objs, synthetic_batches(cfg, vocab), root)
+
+
+def flatten_state(objs) -> dict[str, torch.Tensor]:
+    """Model + optimizer tensors of this rank, as the checkpointing package assembles them for a save
+    (``tierstack.checkpointing.state.build``), flattened to ``{name: tensor}`` and deduplicated."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from tierstack.checkpointing import state as ckpt_state
+
+    sd = ckpt_state.build(objs, is_loading=False, optim=True, rng=False)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(obj, name: str) -> None:
+        if hasattr(obj, "build") and not isinstance(obj, (ShardedTensor, ShardedObject)):
+            obj = obj.build()  # ShardedTensorFactory
+        if isinstance(obj, ShardedTensor):
+            obj = obj.data
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() and obj.data_ptr() not in seen:
+                seen.add(obj.data_ptr())
+                out[name] = obj.detach()
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{name}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{name}/{i}")
+
+    walk({k: sd[k] for k in (ckpt_state.MODEL, ckpt_state.OPTIMIZER)}, "")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def rank() -> int:
+    return dist.get_rank()
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def sum_over_ranks(x: int) -> int:
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    """Seconds of ``fn`` on the slowest rank, all ranks starting together."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    return max_over_ranks(time.perf_counter() - t0), out
+
+
+def files_under(path: Path) -> list[Path]:
+    return [p for p in Path(path).rglob("*") if p.is_file()] if Path(path).exists() else []
+
+
+def bytes_under(path: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(path))
+
+
+def fsync_files(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def evict(paths) -> None:
+    """Drop the files' pages from the page cache (clean pages only: fsync first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def evict_all(*roots: Path) -> None:
+    """Collective: rank 0 evicts every file under ``roots`` (one node: one page cache)."""
+    if rank() == 0:
+        evict([p for r in roots for p in files_under(r)])
+    dist.barrier()
+
+
+def remove(path: Path) -> None:
+    """Collective: rank 0 removes ``path``."""
+    dist.barrier()
+    if rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- limits
+def measure_limits(b: Bench, reps: int) -> dict[str, list[float]]:
+    n = b.state_bytes
+    src = torch.empty(n, dtype=torch.uint8).fill_(7)
+    dst = torch.empty(n, dtype=torch.uint8).fill_(0)  # touched: no page faults in the timed copy
+    d = b.root / "limits"
+    if rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    path = d / f"rank{rank()}.bin"
+    src_view, dst_view = memoryview(src.numpy()), memoryview(dst.numpy())
+
+    def write():
+        with open(path, "wb", buffering=0) as f:
+            for off in range(0, n, _CHUNK):
+                f.write(src_view[off:off + _CHUNK])
+            os.fsync(f.fileno())
+
+    def read():
+        with open(path, "rb", buffering=0) as f:
+            for off in range(0, n, _CHUNK):
+                f.readinto(dst_view[off:off + _CHUNK])
+
+    out: dict[str, list[float]] = {"memcpy": [], "clone": [], "write": [], "read_cold": []}
+    for _ in range(reps):
+        out["memcpy"].append(timed(lambda: dst.copy_(src))[0])
+        # Not a limit: what a snapshot into freshly allocated memory pays (first-touch page faults).
+        out["clone"].append(timed(lambda: src.clone())[0])
+        out["write"].append(timed(write)[0])
+        evict([path])
+        out["read_cold"].append(timed(read)[0])
+        path.unlink()
+    del src_view, dst_view
+    remove(d)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ ours
+def measure_global_sync(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
+    from tierstack.checkpointing import CheckpointTier
+
+    out: dict[str, list[float]] = {"blocking": [], "bytes": []}
+    for _ in range(reps):
+        b.objs.train_state.step += 1
+        s, _ = timed(lambda: mgr.save(CheckpointTier.GLOBAL, b.objs))
+        out["blocking"].append(s)  # sync: returns after fsync, manifest, rename, trackers
+        out["bytes"].append(mgr.events[-1].bytes)
+    return out
+
+
+def measure_global_async(b: Bench, mgr, reps: int, max_steps: int) -> dict[str, list[float]]:
+    """Schedule a save, then train (finalizing each step, as the loop does) until it is published."""
+    from tierstack.checkpointing import CheckpointTier
+
+    out: dict[str, list[float]] = {k: [] for k in ("blocking", "durable", "extra", "steps", "base", "bytes")}
+    for _ in range(reps):
+        base = statistics.median(b.step() for _ in range(2))
+        published = len(mgr.events)
+        b.objs.train_state.step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.save(CheckpointTier.GLOBAL, b.objs)
+        blocking = max_over_ranks(time.perf_counter() - t0)
+        steps: list[float] = []
+        while len(mgr.events) == published and len(steps) < max_steps:
+            t1 = time.perf_counter()
+            b.step()
+            mgr.maybe_save(b.objs)  # intervals are off: this only finalizes finished saves
+            steps.append(max_over_ranks(time.perf_counter() - t1))
+        mgr.wait()
+        out["durable"].append(max_over_ranks(time.perf_counter() - t0))
+        out["blocking"].append(blocking)
+        out["extra"].append(sum(steps) - base * len(steps))
+        out["steps"].append(len(steps))
+        out["base"].append(base)
+        out["bytes"].append(mgr.events[-1].bytes)
+    return out
+
+
+def measure_local(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
+    from tierstack.checkpointing import CheckpointTier
+
+    rank_dir = Path(b.cfg.checkpoint.local_dir) / str(rank())
+    out: dict[str, list[float]] = {"blocking": [], "durable": [], "bytes": []}
+    for _ in range(reps):
+        b.objs.train_state.step += 1
+        s, _ = timed(lambda: mgr.save(CheckpointTier.LOCAL, b.objs))
+        mine = [p for p in files_under(rank_dir) if f"iter_{b.objs.train_state.step:07d}_" in p.name]
+        f, _ = timed(lambda: fsync_files(mine + [rank_dir]))
+        out["blocking"].append(s)
+        out["durable"].append(s + f)
+        out["bytes"].append(sum_over_ranks(sum(p.stat().st_size for p in mine)))
+    return out
+
+
+def measure_resume(b: Bench, cfg, roots: list[Path], reps: int, expect) -> dict[str, list[float]]:
+    """Resume through a fresh CheckpointManager whose config sees one tier only."""
+    from tierstack.checkpointing import CheckpointManager
+
+    out: dict[str, list[float]] = {"cold": [], "warm": []}
+    for _ in range(reps):
+        for kind in ("cold", "warm"):
+            if kind == "cold":
+                evict_all(*roots)
+            mgr = CheckpointManager(cfg, b.layout)
+            s, info = timed(lambda: mgr.resume(b.objs))
+            mgr.close()
+            if info is None or info.tier is not expect:
+                raise RuntimeError(f"resume loaded {info}, expected a {expect} checkpoint")
+            out[kind].append(s)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- peers
+def measure_peers(b: Bench, reps: int) -> dict[str, dict[str, list[float]]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root = b.root / "peers"
+    pg = dist.new_group(backend="gloo")  # DCP's async collectives stay off the training group
+    dcp_sd = {f"rank{rank()}{k}": v for k, v in b.flat.items()}  # distinct keys: every rank writes its own
+
+    def torch_save(d: Path):
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / f"rank{rank()}.pt", "wb") as f:
+            torch.save(b.flat, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+
+    def dcp_save(d: Path):
+        dcp.save(dcp_sd, storage_writer=FileSystemWriter(str(d)), process_group=pg)
+        return None
+
+    def dcp_async(d: Path):
+        return dcp.async_save(dcp_sd, storage_writer=FileSystemWriter(str(d)), process_group=pg)
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, fn in (("torch.save", torch_save), ("dcp.save", dcp_save), ("dcp.async_save", dcp_async)):
+        res = out[name] = {"blocking": [], "durable": [], "bytes": []}
+        for i in range(reps):
+            d = root / f"{name}-{i}"
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = fn(d)
+            blocking = max_over_ranks(time.perf_counter() - t0)
+            if fut is not None:
+                fut.result()
+            res["durable"].append(max_over_ranks(time.perf_counter() - t0))
+            res["blocking"].append(blocking)
+            dist.barrier()
+            res["bytes"].append(bytes_under(d) if rank() == 0 else 0)
+            remove(d)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- report
+def stat(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def fmt_row(name: str, xs: Optional[list[float]], nbytes: int, limit: Optional[float], peer: Optional[float],
+            peer_name: str = "") -> str:
+    if not xs:
+        return f"{name:<34} {'n/a':>8}"
+    med, lo, hi = stat(xs)
+    cols = f"{name:<34} {med:8.3f} {lo:8.3f} {hi:8.3f} {nbytes / med / GB:8.2f}"
+    cols += f" {limit:8.3f} {med / limit:7.2f}x" if limit else f" {'':8} {'':8}"
+    cols += f" {peer:8.3f} {med / peer:7.2f}x {peer_name}" if peer else ""
+    return cols
+
+
+def report(b: Bench, args, lim, gs, ga, lo, rg, rl, peers) -> None:
+    if rank() != 0:
+        return
+    total = b.total_state_bytes
+    memcpy, write, read = (statistics.median(lim[k]) for k in ("memcpy", "write", "read_cold"))
+    best_block = min(peers, key=lambda k: statistics.median(peers[k]["blocking"]))
+    best_dur = min(peers, key=lambda k: statistics.median(peers[k]["durable"]))
+    pb, pd = statistics.median(peers[best_block]["blocking"]), statistics.median(peers[best_dur]["durable"])
+    m = b.cfg.model
+    print(f"\n== checkpoint benchmark, scale={args.scale}: {m.num_layers} layers, hidden {m.hidden_size}, "
+          f"TP={b.cfg.distributed.tensor_model_parallel_size}, {dist.get_world_size()} ranks, fp32 Adam; "
+          f"{args.reps} reps (median, min, max)")
+    print(f"state per rank (model + optimizer): {b.state_bytes / 2**30:.3f} GiB ({b.state_bytes:,} bytes); "
+          f"all ranks {total / GB:.3f} GB. GB/s = all ranks' state bytes / time (slowest rank).")
+    print(f"save directory: {b.root}\n")
+    hdr = f"{'figure (seconds)':<34} {'median':>8} {'min':>8} {'max':>8} {'GB/s':>8} {'limit':>8} {'/limit':>8}"
+    print(hdr + f" {'peer':>8} {'/peer':>8}")
+    print("-" * (len(hdr) + 30))
+    rows = [
+        ("limit: copy_ into buffer", lim["memcpy"], None, None, ""),
+        ("(clone into fresh memory)", lim["clone"], memcpy, None, ""),
+        ("limit: write + fsync", lim["write"], None, None, ""),
+        ("limit: cold read", lim["read_cold"], None, None, ""),
+        ("GLOBAL sync: blocking (=durable)", gs["blocking"], write, pd, best_dur),
+        ("GLOBAL async: blocking", ga["blocking"], memcpy, pb, best_block),
+        ("GLOBAL async: to durable", ga["durable"], write, pd, best_dur),
+        ("LOCAL: blocking", lo["blocking"], memcpy, pb, best_block),
+        ("LOCAL: to durable (+fsync after)", lo["durable"], write, pd, best_dur),
+        ("resume GLOBAL: warm", rg["warm"], memcpy, None, ""),
+        ("resume GLOBAL: cold", rg["cold"], read, None, ""),
+        ("resume LOCAL: warm", rl["warm"], memcpy, None, ""),
+        ("resume LOCAL: cold", rl["cold"], read, None, ""),
+    ]
+    for name, res in peers.items():
+        rows.append((f"peer {name}: blocking", res["blocking"], memcpy, None, ""))
+        rows.append((f"peer {name}: durable", res["durable"], write, None, ""))
+    for name, xs, limit, peer, pname in rows:
+        print(fmt_row(name, xs, total, limit, peer, pname))
+    print("\nlimit column: copy_ for blocking times and warm resumes, write+fsync for durable times, cold read "
+          "for cold resumes; peer column: the fastest peer on the same figure.")
+    extra = [e / max(n, 1) / bs for e, n, bs in zip(ga["extra"], ga["steps"], ga["base"])]
+    print(f"GLOBAL async: {statistics.median(ga['steps']):.0f} steps ran while the writer did (median); their "
+          f"extra time {statistics.median(ga['extra']):+.3f} s in all (min {min(ga['extra']):+.3f}, max "
+          f"{max(ga['extra']):+.3f}), {100 * statistics.median(extra):+.0f}% per step over a "
+          f"{statistics.median(ga['base']):.3f} s step without a save")
+    wr = [("GLOBAL sync", statistics.median(gs["bytes"])), ("GLOBAL async", statistics.median(ga["bytes"])),
+          ("LOCAL", statistics.median(lo["bytes"]))]
+    wr += [(k, statistics.median(v["bytes"])) for k, v in peers.items()]
+    print("bytes written per checkpoint / state bytes: "
+          + ", ".join(f"{k} {v / total:.3f}" for k, v in wr))
+
+
+# ------------------------------------------------------------------------------------------------- main
+def profile_one(b: Bench, mgrs: dict, which: str, cfgs: dict) -> None:
+    """cProfile on rank 0 of one save or resume (the other ranks run it unprofiled)."""
+    from tierstack.checkpointing import CheckpointManager, CheckpointTier
+
+    b.objs.train_state.step += 1
+    prof = cProfile.Profile()
+    if which in ("resume-global", "resume-local"):
+        evict_all(b.root)
+        mgr = CheckpointManager(cfgs[which], b.layout)
+        fn = lambda: mgr.resume(b.objs)  # noqa: E731
+    elif which == "global-async":
+        fn = lambda: (mgrs["async"].save(CheckpointTier.GLOBAL, b.objs), mgrs["async"].wait())  # noqa: E731
+    else:
+        tier = CheckpointTier.LOCAL if which == "local" else CheckpointTier.GLOBAL
+        fn = lambda: mgrs["sync"].save(tier, b.objs)  # noqa: E731
+    dist.barrier()
+    if rank() == 0:
+        prof.enable()
+    s, _ = timed(fn)
+    if rank() == 0:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+        print(f"\n== cProfile of {which} on rank 0 ({s:.3f} s, slowest rank)\n" + buf.getvalue())
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", choices=("default", "1gib"), default="default")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per figure (default 5; 3 at 1gib)")
+    ap.add_argument("--dir", default="runs/bench_checkpoint", help="save directory (wiped)")
+    ap.add_argument("--max-async-steps", type=int, default=40, help="steps at most while an async save runs")
+    ap.add_argument("--profile", choices=("global-sync", "global-async", "local", "resume-global", "resume-local"),
+                    help="only profile this path once (cProfile, rank 0) instead of benchmarking")
+    args = ap.parse_args()
+    args.reps = args.reps or (3 if args.scale == "1gib" else 5)
+    return args
+
+
+def main() -> int:
+    from tierstack.checkpointing import CheckpointManager, CheckpointTier
+
+    args = parse_args()
+    warnings.filterwarnings("ignore")  # megatron's CPU/Apex/deprecation notices, once per rank
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    t_start = time.perf_counter()
+    root = Path(args.dir).resolve()
+    cfg = bench_config(args.scale, root)
+    b = build(cfg, root)
+    remove(root)
+    mgr_sync = CheckpointManager(cfg, b.layout)  # starts the writer's result channel in the background
+    cfg_async = with_checkpoint(cfg, save=str(root / "global_async"), local_dir=None, async_save=True)
+    mgr_async = CheckpointManager(cfg_async, b.layout)
+    mgr_sync.resume(b.objs)  # fresh start: agrees on a run id, claims the roots
+    mgr_async.resume(b.objs)
+    b.step()  # Adam state exists after the first step
+    b.flat = flatten_state(b.objs)
+    b.state_bytes = sum(t.numel() * t.element_size() for t in b.flat.values())
+    b.total_state_bytes = sum_over_ranks(b.state_bytes)
+    cfgs = {
+        "resume-global": with_checkpoint(cfg, save=None, load=cfg.checkpoint.save, local_dir=None),
+        "resume-local": with_checkpoint(cfg, save=None, load=None),
+    }
+    if args.profile:
+        if args.profile.startswith("resume"):
+            mgr_sync.save(CheckpointTier.GLOBAL, b.objs)
+            mgr_sync.save(CheckpointTier.LOCAL, b.objs)
+        profile_one(b, {"sync": mgr_sync, "async": mgr_async}, args.profile, cfgs)
+    else:
+        lim = measure_limits(b, args.reps)
+        gs = measure_global_sync(b, mgr_sync, args.reps)
+        ga = measure_global_async(b, mgr_async, args.reps, args.max_async_steps)
+        lo = measure_local(b, mgr_sync, args.reps)
+        peers = measure_peers(b, args.reps)
+        rg = measure_resume(b, cfgs["resume-global"], [Path(cfg.checkpoint.save)], args.reps, CheckpointTier.GLOBAL)
+        rl = measure_resume(b, cfgs["resume-local"], [Path(cfg.checkpoint.local_dir)], args.reps, CheckpointTier.LOCAL)
+        report(b, args, lim, gs, ga, lo, rg, rl, peers)
+    mgr_async.close()
+    mgr_sync.close()
+    if rank() == 0:
+        print(f"\nwall time of the whole benchmark: {time.perf_counter() - t_start:.0f} s")
+    remove(root)
+    from tierstack import platform
+
+    platform.destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
