@@ -96,3 +96,22 @@ def build_scheduler(cfg: ConfigContainer, optimizer):
         wsd_decay_steps=max(1, decay_iters // 10) if s.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style="cosine" if s.lr_decay_style == "WSD" else None,
     )
+
+
+def wire_model_config(model: list[torch.nn.Module], optimizer) -> None:
+    """Hand the schedules what they call back into: gradient finalization and loss scaling.
+
+    megatron-core's pipeline schedules run ``config.finalize_model_grads_func`` after the last
+    backward: it is where the data-parallel gradient all-reduce (or reduce-scatter with the
+    DistributedOptimizer) and the pipeline tied-embedding all-reduce happen. Without it each
+    data-parallel rank would step on its own gradients. ``grad_scale_func`` scales the loss for
+    fp16/bf16 loss scaling (identity in fp32); ``no_sync_func`` defers gradient reduction over
+    micro-batches.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]

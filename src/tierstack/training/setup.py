@@ -96,12 +96,13 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
     from tierstack.data.tokenizers import build_tokenizer
     from tierstack.models.gpt import gpt_model_provider
-    from tierstack.training.optim import build_model, build_optimizer, build_scheduler
+    from tierstack.training.optim import build_model, build_optimizer, build_scheduler, wire_model_config
 
     tokenizer = build_tokenizer(cfg.tokenizer)
     provider = gpt_model_provider(cfg, tokenizer.vocab_size)
     model = build_model(cfg, provider)
     optimizer = build_optimizer(cfg, model)
+    wire_model_config(model, optimizer)
     scheduler = build_scheduler(cfg, optimizer)
     train_state = TrainState()
 

@@ -68,6 +68,11 @@ def main() -> None:
     record["param_sum"] = float(sum(p.sum() for p in params))
     record["param_sq_sum"] = float(sum((p * p).sum() for p in params))
     record["train_state"] = state.state_dict()
+    # Tied embeddings: the first stage's input embedding and the last stage's output layer.
+    named = dict(captured["model"].named_parameters())
+    for key, name in (("embedding_sum", "word_embeddings.weight"), ("output_layer_sum", "output_layer.weight")):
+        match = [p for n, p in named.items() if n.endswith(name)]
+        record[key] = float(match[0].detach().double().sum()) if match else None
     rank = int(os.environ["RANK"])
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 
