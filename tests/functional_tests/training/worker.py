@@ -50,7 +50,13 @@ def main() -> None:
     cfg = tiny_config(out_dir).apply_overrides(sys.argv[2:])
     record = {"losses": [], "grad_norms": [], "steps": []}
 
+    poison_at = int(os.environ.get("TIERSTACK_TEST_NAN_GRAD_AT", "0"))
+
     def on_step(ts, result):
+        if ts.step == poison_at and int(os.environ["RANK"]) == 1:
+            # A non-finite gradient on one rank only, after the step and before the checkpoint.
+            p = next(captured["model"].parameters())
+            p.main_grad.view(-1)[0] = float("nan")
         record["steps"].append(ts.step)
         record["losses"].append(result.loss)
         record["grad_norms"].append(result.grad_norm)
