@@ -1,7 +1,8 @@
 """``tierstack checkpoints ls|verify PATH``: what each checkpoint under PATH holds and whether it is whole.
 
-PATH may be a GLOBAL root (``checkpoint.save``), one GLOBAL step directory, or a LOCAL root
-(``checkpoint.local_dir``). ``ls`` checks presence and sizes; ``verify`` also checks every checksum.
+PATH may be a GLOBAL root (``checkpoint.save``), one GLOBAL step directory, a LOCAL root
+(``checkpoint.local_dir``), or a directory holding tier roots (a run directory such as
+``runs/gpt_tiny``: each tier root found directly under it is reported). ``ls`` checks presence and sizes; ``verify`` also checks every checksum.
 Both return ``(text, exit_status)``: 0 all valid, 1 something invalid, 2 nothing found.
 """
 
@@ -17,11 +18,29 @@ _HEADER = ("tier", "step", "size", "files", "valid", "consumed", "run", "path / 
 
 
 def ls(path: str) -> tuple[str, int]:
-    return _report(Path(path), checksums=False)
+    """Table of the checkpoints under ``path`` (sizes checked, not checksums); ``(text, status)``."""
+    return _report_any(Path(path), checksums=False)
 
 
 def verify(path: str) -> tuple[str, int]:
-    return _report(Path(path), checksums=True)
+    """Like :func:`ls`, and every file's checksum is checked against its manifest."""
+    return _report_any(Path(path), checksums=True)
+
+
+def _is_tier_root(path: Path) -> bool:
+    if (path / layout.MANIFEST).exists() or (path / layout.TRACKER_ITERATION).exists():
+        return True
+    return any(p.is_dir() and (p.name.isdigit() or p.name.startswith("iter_")) for p in path.iterdir())
+
+
+def _report_any(path: Path, checksums: bool) -> tuple[str, int]:
+    if not path.is_dir() or _is_tier_root(path):
+        return _report(path, checksums)
+    roots = sorted(p for p in path.iterdir() if p.is_dir() and _is_tier_root(p))
+    if not roots:
+        return f"{path}: no checkpoints", 2
+    reports = [_report(r, checksums) for r in roots]
+    return "\n\n".join(text for text, _ in reports), max(status for _, status in reports)
 
 
 def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: Optional[dict], where: str) -> tuple:

@@ -131,10 +131,13 @@ class ProgressLogger:
             self._bar.update(iteration - self._bar.n)
 
     def log_step(self, iteration: int, metrics: Mapping[str, Any]) -> Optional[str]:
-        """Advance the bar to ``iteration``; at each ``log_interval`` (and the last iteration) log a line.
+        """Advance the bar to ``iteration`` and log one line (rank 0).
+
+        The training loop decides when a line is due (every ``log_interval``, the first step of a
+        run or resume, evaluations, the last step); this method does not filter again.
 
         Returns:
-            The line logged, or None.
+            The line logged, or None on other ranks.
         """
         if not self.enabled:
             return None
@@ -142,8 +145,6 @@ class ProgressLogger:
         if self._bar is not None:
             if metrics.get(LOSS) is not None:
                 self._bar.set_postfix(loss=f"{float(metrics[LOSS]):.3f}", refresh=False)
-        if iteration % self.cfg.log_interval and iteration != self.total_iters:
-            return None
         line = format_step_line(iteration, self.total_iters, metrics)
         log.info(line)
         return line
