@@ -47,3 +47,13 @@ def test_second_launch_resumes_where_the_first_stopped(tmp_path, torchrun):
     assert "(GLOBAL tier)" in ls.stdout and "(LOCAL tier)" in ls.stdout
     assert "tracker: latest step 12" in ls.stdout
     assert (run_dir / "loss_curve.png").stat().st_size > 10_000
+
+
+def test_other_sizes_come_from_the_same_base():
+    from gpt_small import gpt_small_config
+
+    small, tiny = gpt_small_config(), gpt_tiny_config()
+    small.validate(world_size=8)
+    assert (small.model.num_layers, small.model.hidden_size) == (12, 768)
+    assert small.checkpoint.local_dir and small.checkpoint.save  # both tiers, as in every recipe
+    assert type(small) is type(tiny)
