@@ -378,6 +378,8 @@ class GlobalTier:
         return True
 
     def close(self) -> None:
+        # A warm-up still talking to the Manager when the process exits dies with EOFError.
+        self._wait_warm()
         if self._queue is not None:
             self.finalize(blocking=True)
             self._queue.close()
