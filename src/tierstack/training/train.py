@@ -34,10 +34,11 @@ def train(
 ) -> TrainState:
     """Run iterations until ``train.train_iters`` (or an early, planned stop).
 
-    Every rank runs this. After each step: LOCAL/GLOBAL saves by interval (the checkpoint manager
-    decides), evaluation by ``train.eval_interval``, a log line by ``logger.log_interval``, the
-    straggler report by its interval. A planned stop (exit_interval, SIGTERM, straggler) saves a
-    GLOBAL checkpoint first; the end of training saves a GLOBAL checkpoint unless one was just taken.
+    Every rank runs this. After each step: evaluation by ``train.eval_interval``, the straggler
+    report by its interval, a log line (every ``logger.log_interval``, the first step of a run or
+    resume, evaluations, the last step), then LOCAL/GLOBAL saves by interval (the checkpoint
+    manager decides). A planned stop (exit_interval, SIGTERM, straggler) skips the interval saves
+    and ends with the final save: the last state is always kept, in GLOBAL when configured.
 
     ``on_step(train_state, step_result)`` is called on every rank after each step (before
     checkpoints), e.g. to record per-rank losses.
@@ -45,11 +46,10 @@ def train(
     Returns:
         The final :class:`TrainState`.
     """
-    from tierstack.checkpointing import CheckpointTier, TrainingObjects
+    from tierstack.checkpointing import TrainingObjects
 
-    cfg, ts, layout = s.config, s.train_state, s.layout
+    cfg, ts = s.config, s.train_state
     objs = TrainingObjects(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, train_state=ts, config=cfg)
-    flops_per_iter = model_flops_per_iteration(cfg, s.padded_vocab_size)
     if ts.step >= cfg.train.train_iters:
         log.info(
             "nothing to do: resumed at iteration %d and train.train_iters=%d; raise train.train_iters to go on",
@@ -57,75 +57,111 @@ def train(
             cfg.train.train_iters,
         )
         return ts
+    step_forward = forward_step_func
     if s.straggler is not None:
         # The whole step ends in a gradient all-reduce where a fast rank waits for a slow one, so
         # step time alone hides a straggler on CPU; the forward step has no such wait.
-        forward_step_func = s.straggler.wrap_forward_step(forward_step_func)
-    window_time, window_tokens = 0.0, 0
+        step_forward = s.straggler.wrap_forward_step(forward_step_func)
+    flops_per_iter = model_flops_per_iteration(cfg, s.padded_vocab_size)
+    window = _ThroughputWindow()
     start_step = ts.step
     stop: Optional[str] = None
     while ts.step < cfg.train.train_iters:
-        if s.straggler is not None:
-            with s.straggler.step_section():
-                result = train_step(forward_step_func, s.train_data_iterator, s.model, s.optimizer, s.scheduler, cfg, layout.data_parallel_size)
-        else:
-            result = train_step(forward_step_func, s.train_data_iterator, s.model, s.optimizer, s.scheduler, cfg, layout.data_parallel_size)
-        ts.step += 1
-        ts.consumed_train_samples += cfg.train.global_batch_size
-        if not result.update_successful:
-            ts.skipped_train_samples += cfg.train.global_batch_size
-            log.warning("iteration %d: optimizer skipped the update (non-finite gradients)", ts.step)
-        ts.floating_point_operations_so_far += flops_per_iter
+        result = _run_step(s, step_forward)
+        _count(ts, cfg, result, flops_per_iter)
         if on_step is not None:
             on_step(ts, result)
-        window_time += result.seconds
-        window_tokens += result.tokens
-
+        window.add(result)
         metrics = {"loss": result.loss, "lr": _current_lr(s.optimizer), "grad_norm": result.grad_norm}
         if cfg.train.eval_interval and s.valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
-            metrics["val_loss"] = evaluate(forward_step_func, s.valid_data_iterator, s.model, cfg, layout.data_parallel_size)
+            metrics["val_loss"] = evaluate(forward_step_func, s.valid_data_iterator, s.model, cfg, s.layout.data_parallel_size)
             ts.consumed_valid_samples += cfg.train.eval_iters * cfg.train.global_batch_size
-
-        straggler_stop = None
-        if s.straggler is not None:
-            report = s.straggler.maybe_report(ts.step)
-            if report is not None:
-                metrics.update(report.metrics)
-                if report.should_stop:
-                    straggler_stop = "straggler detected on rank(s) " + ", ".join(
-                        f"{r} ({node})" for r, node in report.stragglers
-                    )
-
+        straggler_stop = _straggler_report(s, ts.step, metrics)
         first_of_run = ts.step == start_step + 1  # shows where a run (or a resume) starts
         if first_of_run or ts.step % cfg.logger.log_interval == 0 or ts.step == cfg.train.train_iters or "val_loss" in metrics:
-            metrics["tokens_per_s"] = window_tokens / window_time if window_time > 0 else math.nan
-            metrics["step_time_s"] = window_time / max(1, round(window_tokens / result.tokens))
-            window_time, window_tokens = 0.0, 0
-            if progress is not None:
-                progress.log_step(ts.step, metrics)
-            if history is not None:
-                history.append(ts.step, metrics)
-            if s.tracker is not None:
-                s.tracker.log_metrics(ts.step, metrics)
+            metrics.update(window.take())
+            _publish_metrics(s, ts.step, metrics, progress, history)
         elif progress is not None:
             progress.advance(ts.step)
-
         stop = _stop_reason(s, exit_request, straggler_stop)
         if stop:
             break
         s.checkpoint_manager.maybe_save(objs)
-
-    # The last state is always kept: in GLOBAL when it is configured (it survives the node), else LOCAL.
-    final_tier = CheckpointTier.GLOBAL if cfg.checkpoint.save is not None else (
-        CheckpointTier.LOCAL if cfg.checkpoint.local_dir is not None else None
-    )
-    if final_tier is not None and s.checkpoint_manager.last_saved_step(final_tier) != ts.step:
-        s.checkpoint_manager.save(final_tier, objs)
+    _save_final(s, objs)
     if stop:
         log.warning("stopping at iteration %d: %s", ts.step, stop)
         if s.tracker is not None:
             s.tracker.set_tag("stop_reason", stop)
     return ts
+
+
+class _ThroughputWindow:
+    """Tokens and seconds since the last log line: tokens/s and mean step time over that window."""
+
+    def __init__(self) -> None:
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+
+    def add(self, result) -> None:
+        self.seconds += result.seconds
+        self.tokens += result.tokens
+        self.steps += 1
+
+    def take(self) -> dict:
+        out = {
+            "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else math.nan,
+            "step_time_s": self.seconds / self.steps if self.steps else math.nan,
+        }
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        return out
+
+
+def _run_step(s: SetupOutput, forward_step_func: Callable):
+    args = (forward_step_func, s.train_data_iterator, s.model, s.optimizer, s.scheduler, s.config, s.layout.data_parallel_size)
+    if s.straggler is None:
+        return train_step(*args)
+    with s.straggler.step_section():
+        return train_step(*args)
+
+
+def _count(ts: TrainState, cfg, result, flops_per_iter: float) -> None:
+    ts.step += 1
+    ts.consumed_train_samples += cfg.train.global_batch_size
+    if not result.update_successful:
+        ts.skipped_train_samples += cfg.train.global_batch_size
+        log.warning("iteration %d: optimizer skipped the update (non-finite gradients)", ts.step)
+    ts.floating_point_operations_so_far += flops_per_iter
+
+
+def _straggler_report(s: SetupOutput, step: int, metrics: dict) -> Optional[str]:
+    """Collective at report intervals; returns a stop reason when stragglers must stop the run."""
+    if s.straggler is None:
+        return None
+    report = s.straggler.maybe_report(step)
+    if report is None:
+        return None
+    metrics.update(report.metrics)
+    if not report.should_stop:
+        return None
+    return "straggler detected on rank(s) " + ", ".join(f"{r} ({node})" for r, node in report.stragglers)
+
+
+def _publish_metrics(s: SetupOutput, step: int, metrics: dict, progress, history) -> None:
+    if progress is not None:
+        progress.log_step(step, metrics)
+    if history is not None:
+        history.append(step, metrics)
+    if s.tracker is not None:
+        s.tracker.log_metrics(step, metrics)
+
+
+def _save_final(s: SetupOutput, objs) -> None:
+    """Keep the last state: in GLOBAL when configured (it survives losing the node), else LOCAL."""
+    from tierstack.checkpointing import CheckpointTier
+
+    c = s.config.checkpoint
+    tier = CheckpointTier.GLOBAL if c.save is not None else (CheckpointTier.LOCAL if c.local_dir is not None else None)
+    if tier is not None and s.checkpoint_manager.last_saved_step(tier) != objs.train_state.step:
+        s.checkpoint_manager.save(tier, objs)
 
 
 def _current_lr(optimizer) -> float:
