@@ -13,14 +13,13 @@ manifest is written. A LOCAL checkpoint only loads at the topology it was writte
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 
-from tierstack.checkpointing import _dist, layout, manifest, retention, retry
+from tierstack.checkpointing import layout, manifest, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import ConfigContainer

@@ -147,6 +147,38 @@ class ConfigContainer:
                 p.append(f"{name}={value}: must be >= 1")
         if p:
             raise ConfigError(p)
+        p += self._validate_parallel(world_size)
+        if m.transformer_impl not in ("auto", "local", "transformer_engine"):
+            p.append(f"model.transformer_impl={m.transformer_impl!r}: use auto, local or transformer_engine")
+        if self.scheduler.lr_decay_style not in _LR_DECAY_STYLES:
+            p.append(f"scheduler.lr_decay_style={self.scheduler.lr_decay_style!r}: use one of {_LR_DECAY_STYLES}")
+        if self.scheduler.lr_warmup_iters < 0:
+            p.append("scheduler.lr_warmup_iters must be >= 0")
+        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+            p.append(f"optimizer.lr={o.lr} / optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+        if t.eval_interval is not None and t.eval_interval < 1:
+            p.append("train.eval_interval must be >= 1 or null")
+        if t.eval_iters < 0:
+            p.append("train.eval_iters must be >= 0")
+        p += self._validate_data()
+        p += self._validate_checkpoint()
+        if self.straggler is not None:
+            s = self.straggler
+            if s.report_interval < 1:
+                p.append("straggler.report_interval must be >= 1")
+            if s.profiling_interval < 1:
+                p.append("straggler.profiling_interval must be >= 1")
+            for n in ("relative_threshold", "individual_threshold"):
+                if not 0.0 <= getattr(s, n) <= 1.0:
+                    p.append(f"straggler.{n} must be in [0, 1]")
+        if p:
+            raise ConfigError(p)
+
+    def _validate_parallel(self, world_size: int) -> list[str]:
+        """Megatron's divisibility rules: heads by TP, layers by PP, ranks by TP*PP, batch by micro*DP."""
+        p: list[str] = []
+        m, t, d = self.model, self.train, self.distributed
+        tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
         if m.num_attention_heads % tp:
             p.append(
                 f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
@@ -174,31 +206,7 @@ class ConfigContainer:
                     f"train.global_batch_size={t.global_batch_size} is not divisible by "
                     f"train.micro_batch_size * data_parallel_size = {t.micro_batch_size} * {dp}"
                 )
-        if m.transformer_impl not in ("auto", "local", "transformer_engine"):
-            p.append(f"model.transformer_impl={m.transformer_impl!r}: use auto, local or transformer_engine")
-        if self.scheduler.lr_decay_style not in _LR_DECAY_STYLES:
-            p.append(f"scheduler.lr_decay_style={self.scheduler.lr_decay_style!r}: use one of {_LR_DECAY_STYLES}")
-        if self.scheduler.lr_warmup_iters < 0:
-            p.append("scheduler.lr_warmup_iters must be >= 0")
-        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-            p.append(f"optimizer.lr={o.lr} / optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr, lr > 0")
-        if t.eval_interval is not None and t.eval_interval < 1:
-            p.append("train.eval_interval must be >= 1 or null")
-        if t.eval_iters < 0:
-            p.append("train.eval_iters must be >= 0")
-        p += self._validate_data()
-        p += self._validate_checkpoint()
-        if self.straggler is not None:
-            s = self.straggler
-            if s.report_interval < 1:
-                p.append("straggler.report_interval must be >= 1")
-            if s.profiling_interval < 1:
-                p.append("straggler.profiling_interval must be >= 1")
-            for n in ("relative_threshold", "individual_threshold"):
-                if not 0.0 <= getattr(s, n) <= 1.0:
-                    p.append(f"straggler.{n} must be in [0, 1]")
-        if p:
-            raise ConfigError(p)
+        return p
 
     def _validate_data(self) -> list[str]:
         p: list[str] = []

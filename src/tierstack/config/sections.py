@@ -6,7 +6,7 @@ Cross-field checks live in :mod:`tierstack.config.container` (``ConfigContainer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 

@@ -19,7 +19,6 @@ What a run holds:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os

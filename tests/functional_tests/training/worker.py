@@ -10,7 +10,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 
 from tierstack.config import ConfigContainer
 from tierstack.recipes import gpt_config

@@ -1,6 +1,5 @@
 """Resume selection over real files, single process (collectives reduce to the local view)."""
 
-import pytest
 
 from tierstack.checkpointing import layout, manifest, selection
 from tierstack.checkpointing.global_tier import GlobalTier
