@@ -57,6 +57,8 @@ def run_reporters(s):
     else:
         log.info("starting a fresh run (no checkpoint found)")
     history = MetricsHistory(run_dir / "metrics.jsonl", rank=rank, resume_step=ts.step)
+    if s.resume_info is not None:
+        history.add_resume(ts.step)
     progress = ProgressLogger(cfg.logger, total_iters=cfg.train.train_iters, start_iter=ts.step, rank=rank)
     try:
         yield progress, history
@@ -69,14 +71,19 @@ def run_reporters(s):
 
 
 def _write_loss_curve(s, history, run_dir: Path) -> None:
+    """Record this run's checkpoints in the history, then plot the whole history (all runs)."""
     from tierstack.checkpointing import CheckpointTier
     from tierstack.logging.plots import plot_loss_curve
 
     try:
-        ckpt_steps = {
-            tier.value.upper(): s.checkpoint_manager.saved_steps(tier) for tier in CheckpointTier
-        }
-        out = plot_loss_curve(history.load(), run_dir / "loss_curve.png", ckpt_steps, list(s.train_state.resumed_from))
+        recorded = history.checkpoint_steps()
+        for tier in CheckpointTier:
+            for step in s.checkpoint_manager.saved_steps(tier):
+                if step not in recorded.get(tier.name, []):
+                    history.add_checkpoint(step, tier)
+        out = plot_loss_curve(
+            history.metrics(), run_dir / "loss_curve.png", history.checkpoint_steps(), history.resume_steps()
+        )
         log.info("loss curve: %s", out)
         if s.tracker is not None:
             s.tracker.log_artifact(out)
