@@ -7,6 +7,7 @@ this rank's parameters.
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -50,12 +51,16 @@ def main() -> None:
     record = {"losses": [], "grad_norms": [], "steps": []}
 
     poison_at = int(os.environ.get("TIERSTACK_TEST_NAN_GRAD_AT", "0"))
+    sigterm_at = int(os.environ.get("TIERSTACK_TEST_SIGTERM_AT", "0"))
 
     def on_step(ts, result):
         if ts.step == poison_at and int(os.environ["RANK"]) == 1:
             # A non-finite gradient on one rank only, after the step and before the checkpoint.
             p = next(captured["model"].parameters())
             p.main_grad.view(-1)[0] = float("nan")
+        if ts.step == sigterm_at and int(os.environ["RANK"]) == 1:
+            # A pre-emption notice that reaches one rank only.
+            os.kill(os.getpid(), signal.SIGTERM)
         record["steps"].append(ts.step)
         record["losses"].append(result.loss)
         record["grad_norms"].append(result.grad_norm)
