@@ -14,7 +14,7 @@ CPU and GPU
     On a GPU the Detector profiles CUDA kernels with CUPTI, which sees a slow GPU even when
     collectives make every rank's wall time equal. On a CPU there is no CUPTI (``nvrx_cupti_module``
     cannot load ``libcupti``), so this module hands the Detector a profiler that records no kernels
-    (:class:`_NoKernelProfiler`) and only wall-clock section timing is scored. A section that spans a
+    (:class:`tierstack.platform.nvrx_cpu.NoKernelProfiler`) and only wall-clock section timing is scored. A section that spans a
     synchronous collective (the data-parallel gradient all-reduce) takes the same wall time on every
     rank, since the fast ranks wait there for the slow one; so on a CPU a straggler shows up in a
     section without collectives, such as the forward compute (:meth:`StragglerMonitor.wrap_forward_step`
@@ -30,11 +30,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
 from tierstack.config.sections import StragglerConfig
 from tierstack.platform import ParallelLayout, has_gpu
+from tierstack.platform.nvrx_cpu import detector_cpu_shims
 
 log = logging.getLogger(__name__)
 
@@ -60,71 +60,6 @@ class StragglerReport:
     stragglers: list[tuple[int, str]] = field(default_factory=list)
     should_stop: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-class _NoKernelProfiler:
-    """Stands in for nvidia-resiliency-ext's ``CuptiManager`` where no CUDA exists: records no kernels.
-
-    It keeps the manager's contract (initialize before use; a stop needs a start) so that a misuse
-    still fails the way it would on a GPU.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.is_initialized = False
-        self.started_cnt = 0
-
-    def initialize(self) -> None:
-        self.is_initialized = True
-
-    def shutdown(self) -> None:
-        self.is_initialized = False
-        self.started_cnt = 0
-
-    def _ensure_initialized(self) -> None:
-        if not self.is_initialized:
-            raise RuntimeError("kernel profiler was not initialized")
-
-    def start_profiling(self) -> None:
-        self._ensure_initialized()
-        self.started_cnt += 1
-
-    def stop_profiling(self) -> None:
-        self._ensure_initialized()
-        if self.started_cnt == 0:
-            raise RuntimeError("No active profiling run.")
-        self.started_cnt -= 1
-
-    def get_results(self) -> dict:
-        self._ensure_initialized()
-        return {}
-
-    def reset_results(self) -> None:
-        self._ensure_initialized()
-
-
-@contextlib.contextmanager
-def _cpu_detector_shims() -> Iterator[None]:
-    """On a CPU only: let the Detector run without CUDA for the duration of one call.
-
-    ``Detector.initialize`` constructs ``CuptiManager`` by its module-level name, with no parameter to
-    pass another, and ``Detector.generate_report`` calls ``torch.cuda.synchronize()``. Both names are
-    replaced for the block and restored after it, so nothing outlives the call; on a GPU this is a
-    no-op and the real CUPTI profiler and synchronize run.
-    """
-    if has_gpu():
-        yield
-        return
-    from nvidia_resiliency_ext.straggler import straggler as nvrx_straggler
-
-    saved_manager = nvrx_straggler.CuptiManager
-    saved_sync = torch.cuda.synchronize
-    nvrx_straggler.CuptiManager = _NoKernelProfiler
-    torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
-    try:
-        yield
-    finally:
-        nvrx_straggler.CuptiManager = saved_manager
-        torch.cuda.synchronize = saved_sync
 
 
 def _spread(prefix: str, scores: dict[int, float]) -> dict[str, float]:
@@ -173,7 +108,7 @@ class StragglerMonitor:
         self.layout = layout
         self._detector = Detector
         self._profile_kernels = has_gpu()
-        with _cpu_detector_shims():
+        with detector_cpu_shims():
             # Reports are driven by iteration count (maybe_report), not by the Detector's own
             # time-based tracker: the interval is then the same on every rank by construction.
             Detector.initialize(
@@ -223,7 +158,7 @@ class StragglerMonitor:
         """
         if iteration % self.cfg.report_interval:
             return None
-        with _cpu_detector_shims():
+        with detector_cpu_shims():
             report = self._detector.generate_report()  # a collective: every rank takes part
         result = StragglerReport(iteration=iteration)
         if self.layout.rank == 0 and report is not None:
