@@ -32,3 +32,22 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
 def torchrun():
     """The :func:`run_torchrun` launcher."""
     return run_torchrun
+
+
+PRETRAIN_WORKER = Path(__file__).with_name("resiliency") / "pretrain_worker.py"
+
+
+@pytest.fixture
+def pretrain_run():
+    """Run ``resiliency/pretrain_worker.py RUN_ROOT SLOW_RANK SLEEP_S overrides...`` on 2 ranks.
+
+    Returns the combined stdout + stderr; fails the test (with the log's tail) when a rank fails.
+    """
+
+    def run(run_root, slow_rank, sleep_s, *overrides):
+        proc = run_torchrun([PRETRAIN_WORKER, run_root, slow_rank, sleep_s, *overrides], timeout=300)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-6000:]
+        return log
+
+    return run

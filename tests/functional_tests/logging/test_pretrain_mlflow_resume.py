@@ -5,35 +5,17 @@ and finishes at 16. One mlflow run holds both parts.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).parents[1] / "resiliency" / "pretrain_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def run_pretrain(run_root, *overrides):
-    proc = subprocess.run(
-        [str(TORCHRUN), "--nproc-per-node", "2", str(WORKER), str(run_root), "-1", "0", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    return log
-
-
 @pytest.mark.slow
-def test_one_mlflow_run_across_a_resume(tmp_path):
+def test_one_mlflow_run_across_a_resume(tmp_path, pretrain_run):
     from mlflow.tracking import MlflowClient
 
     run_dir = tmp_path / "e2e"
-    run_pretrain(tmp_path, "train.exit_interval=6", "straggler=null")
-    log = run_pretrain(tmp_path, "straggler=null")
+    pretrain_run(tmp_path, -1, 0, "train.exit_interval=6", "straggler=null")
+    log = pretrain_run(tmp_path, -1, 0, "straggler=null")
     assert "resumed from GLOBAL checkpoint at iteration 6" in log
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
