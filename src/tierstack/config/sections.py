@@ -112,8 +112,9 @@ class CheckpointConfig:
     load_optim: bool = True
     save_rng: bool = True
     load_rng: bool = True
-    pretrained_checkpoint: Optional[str] = None  # weights to start a fine-tune from (model only)
-    finetune: bool = False  # load model weights only, reset counters and optimizer
+    # Fine-tuning: on a fresh start, load model weights only from this GLOBAL root or step directory;
+    # counters, optimizer and LR schedule start fresh. A checkpoint of this run itself wins over it.
+    pretrained_checkpoint: Optional[str] = None
     exit_on_missing_checkpoint: bool = False  # error if `load` is set but holds no checkpoint
     allow_fresh_start_on_invalid: bool = False  # start fresh when checkpoints exist but none is valid
     save_retries: int = 3  # attempts for transient I/O errors
