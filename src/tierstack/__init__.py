@@ -5,8 +5,8 @@ Entry point: :func:`pretrain` with a :class:`ConfigContainer`.
 
 import warnings
 
-# nvidia-resiliency-ext depends on the `pynvml` package; torch warns about it at every import of
-# torch.cuda. It says nothing about the run, so it is not repeated on every rank of every launch.
+# nvidia-resiliency-ext depends on the `pynvml` package; torch warns about it every time its CUDA
+# module is imported. It says nothing about the run, so it is not repeated on every rank of every launch.
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
 
 from tierstack.config import ConfigContainer, ConfigError  # noqa: E402

@@ -41,16 +41,6 @@ class _Scheduled:
     blocked_s: float
 
 
-def _local_step(fn: Callable[[], object]) -> None:
-    """Run a rank-local piece of a collective save and make every rank agree on how it ended."""
-    err = None
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - classified by retry.agree
-        err = e
-    retry.agree(err)
-
-
 class GlobalTier:
     tier = CheckpointTier.GLOBAL
 
@@ -73,7 +63,7 @@ class GlobalTier:
 
             from tierstack import platform
 
-            # The persistent worker is spawned and calls torch.cuda.set_device in the child, which a
+            # The persistent worker is spawned and selects a CUDA device in the child, which a
             # CPU-only child cannot do; on CPU each save forks a writer instead (fork: no imports).
             self._queue = AsyncCallsQueue(persistent=platform.has_gpu())
 
@@ -149,7 +139,7 @@ class GlobalTier:
 
         def attempt(n: int):
             staging = self.save_root / layout.staging_dir_name(step, run_id, n)
-            _local_step(lambda: self._make_staging(staging, objs.config))
+            retry.run_agreed(lambda: self._make_staging(staging, objs.config))
             # Rebuilt per attempt: dist_checkpointing preprocesses the dict in place.
             sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
             request = self._write(sd, staging, is_async)
@@ -197,7 +187,7 @@ class GlobalTier:
                 sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=is_async
             )
 
-        _local_step(write)
+        retry.run_agreed(write)
         return box.get("request")
 
     def _seal_and_publish(self, step: int, staging: Path, train_state: dict, run_id: str, extra: dict) -> None:
@@ -212,11 +202,11 @@ class GlobalTier:
                 box.append(manifest.list_files(staging))
 
         box: list = []
-        _local_step(run_config_and_names)
+        retry.run_agreed(run_config_and_names)
         names = _dist.broadcast_object(box[0] if box else None)
         mine = names[_dist.rank():: _dist.world_size()]
         parts: list = []
-        _local_step(lambda: parts.append(manifest.describe_files(staging, mine)))
+        retry.run_agreed(lambda: parts.append(manifest.describe_files(staging, mine)))
         files: dict = {}
         for part in _dist.all_gather_object(parts[0]):
             files.update(part)
@@ -240,7 +230,7 @@ class GlobalTier:
             layout.atomic_write_bytes(self.save_root / layout.TRACKER_TRAIN_STATE, buf.getvalue())
             layout.write_run_file(self.save_root, run_id)
 
-        _local_step(publish)
+        retry.run_agreed(publish)
 
     def _after_publish(self, step: int, run_id: str, blocked_s: float) -> None:
         path = self.save_root / layout.step_dir_name(step)

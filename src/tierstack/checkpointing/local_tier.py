@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
 
@@ -34,15 +34,6 @@ class _RetainingLocalManager(LocalCheckpointManager):
 
     def _cleanup(self, iteration):  # noqa: D401 - library hook
         return None
-
-
-def _local_step(fn: Callable[[], object]) -> None:
-    err = None
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - classified by retry.agree
-        err = e
-    retry.agree(err)
 
 
 class LocalTier:
@@ -77,17 +68,17 @@ class LocalTier:
         captured = dict(objs.train_state.state_dict())
 
         def attempt(n: int) -> None:
-            _local_step(lambda: self._remove_step(step, include_dirty=True))
+            retry.run_agreed(lambda: self._remove_step(step, include_dirty=True))
             from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
             sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
             tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sd, algo="fully_parallel")
             self._mgr.latest_iteration = -1  # a cache of the library; our resume selection owns "latest"
             request = self._mgr.save(tasd, step, is_async=True)  # returns the write as a request: we run it
-            _local_step(lambda: request.async_fn(*request.async_fn_args, **request.async_fn_kwargs))
+            retry.run_agreed(lambda: request.async_fn(*request.async_fn_args, **request.async_fn_kwargs))
             # The library's finalize checks (collectively) that every rank holds the step.
-            _local_step(lambda: [fn() for fn in request.finalize_fns])
-            _local_step(lambda: self._seal(step, run_id, captured, objs))
+            retry.run_agreed(lambda: [fn() for fn in request.finalize_fns])
+            retry.run_agreed(lambda: self._seal(step, run_id, captured, objs))
 
         def cleanup(n: int, failed: retry.SaveAttemptFailed) -> None:
             log.warning("LOCAL save of step %d, attempt %d failed: %s", step, n, failed)

@@ -76,6 +76,20 @@ def agree(local_error: Optional[BaseException], reduce_max: Callable[[int], int]
         raise SaveAttemptFailed(outcome, local_error)
 
 
+def run_agreed(fn: Callable[[], object]) -> None:
+    """Collective: run a rank-local piece of a save, then make every rank agree on how it ended.
+
+    Raises:
+        SaveAttemptFailed: on every rank, when ``fn`` raised on any rank.
+    """
+    err = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - classified by agree()
+        err = e
+    agree(err)
+
+
 def run_attempts(
     attempt: Callable[[int], T],
     *,
