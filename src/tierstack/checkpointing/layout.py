@@ -36,7 +36,8 @@ TRACKER_ITERATION = "latest_checkpointed_iteration.txt"
 TRACKER_TRAIN_STATE = "latest_train_state.pt"
 MANIFEST = "manifest.json"
 RUN_CONFIG = "run_config.yaml"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32C checksums, LOCAL files in the tierstack local format (local_file.py)
+READABLE_FORMAT_VERSIONS = (1, 2)  # 1: CRC-32 checksums, LOCAL files written by NVRx torch.save
 
 _GLOBAL_DIR = re.compile(r"^iter_(\d+)$")
 _LOCAL_FILE = re.compile(r"^iter_(\d+)_(\d+)_local\.pt$")

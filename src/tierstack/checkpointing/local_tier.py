@@ -1,26 +1,38 @@
-"""LOCAL tier: nvidia-resiliency-ext ``LocalCheckpointManager`` on node-local storage.
+"""LOCAL tier: per-rank checkpoints on node-local storage (or a tmpfs), saved asynchronously.
 
-Each rank writes its own file (``<local_dir>/<rank>/iter_N_<rank>_local.pt``) holding a megatron-core
-``MCoreTensorAwareStateDict`` built with ``algo="fully_parallel"`` (data-parallel replicas write their
-shard once and exchange at load). TrainState, scheduler and per-rank RNG ride in the same file. The
-library writes ``*.dirty`` and renames (its staging); a manifest written after it seals the step.
+Each rank writes its own file (``<local_dir>/<rank>/iter_N_<rank>_local.pt``, the nvidia-resiliency-ext
+layout) holding a megatron-core ``MCoreTensorAwareStateDict`` (NVRx's ``TensorAwareStateDict``) built
+with ``algo="fully_parallel"``: data-parallel replicas write their shard once and exchange at load.
+TrainState, scheduler and per-rank RNG ride in the same file; a manifest beside it seals the step.
 
-Retention: the library's own cleanup deletes every older step once a save succeeds (it keeps one);
-:class:`_RetainingLocalManager` turns that off and :mod:`retention` keeps ``most_recent_k`` after the
-manifest is written. A LOCAL checkpoint only loads at the topology it was written with.
+A save (see DESIGN.md, "Asynchronous LOCAL"): the blocking part builds the state dict, pops its
+tensors, copies them into the tier's reused staging buffers (:mod:`staging`) and encodes the header;
+the writer thread then writes ``.dirty``, fsyncs, renames and writes this rank's manifest
+(:mod:`local_file`, CRC-32C of the bytes as they are written). :meth:`LocalTier.finalize`, called
+by the loop, agrees across ranks that every rank sealed the step (a step missing on one rank is
+never a resume candidate), then applies retention. At most one save is in flight.
+
+What is kept from NVRx and what is not: the ``TensorAwareStateDict`` protocol (``pop_tensors`` /
+``insert_tensors``, ``to_state_dict`` with the fully-parallel exchange) and the file layout are
+used as they are. ``LocalCheckpointManager.save``/``load`` are not: its ``save`` clones every tensor
+into fresh memory at each save (``copy_tensors_to_cpu``; CPU tensors too), which can neither reuse
+buffers nor be skipped without writing the live training tensors; its writer is ``torch.save``
+without fsync; its async request is built for megatron's queue, which forks a writer per save on
+CPU; and its ``load`` is ``torch.load`` of the path, so a checksum check reads every file twice.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Optional
 
-from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-
-from tierstack.checkpointing import layout, manifest, retention, retry
+from tierstack.checkpointing import _dist, layout, local_file, manifest, retention, retry
 from tierstack.checkpointing import state as ckpt_state
+from tierstack.checkpointing.staging import Stager
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import ConfigContainer
 from tierstack.platform import ParallelLayout
@@ -28,12 +40,13 @@ from tierstack.platform import ParallelLayout
 log = logging.getLogger(__name__)
 
 
-class _RetainingLocalManager(LocalCheckpointManager):
-    """NVRx manager whose post-save cleanup keeps everything; tierstack applies most_recent_k itself,
-    after its manifest is sealed, so a step is never deleted before a newer one is complete."""
-
-    def _cleanup(self, iteration):  # noqa: D401 - library hook
-        return None
+@dataclass
+class _InFlight:
+    step: int
+    run_id: str
+    started: float  # perf_counter at the start of the save
+    blocked_s: float
+    job: Future
 
 
 class LocalTier:
@@ -43,12 +56,21 @@ class LocalTier:
         self.cfg = cfg
         self.layout = layout_
         self.root = Path(cfg.checkpoint.local_dir) if cfg.checkpoint.local_dir else None
-        self._mgr = _RetainingLocalManager(self.root, session_id="") if self.root is not None else None
+        self._stager = Stager("LOCAL")
+        self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
+        self._in_flight: Optional[_InFlight] = None
+        self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.failures: list[int] = []
+        self.sealed: list[int] = []  # steps sealed on every rank by this process
+        self.last_durable_s: Optional[float] = None  # start of the last sealed save to its agreement
 
     @property
     def enabled(self) -> bool:
         return self.root is not None
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._stager.nbytes
 
     @property
     def rank_dir(self) -> Path:
@@ -60,71 +82,114 @@ class LocalTier:
 
     # ------------------------------------------------------------------ save
     def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
+        """Collective: stage ``objs`` and hand the write to the writer thread.
+
+        Returns the seconds the caller was blocked (waiting for the previous save included), or
+        None when staging failed on some rank (nothing was handed off).
+        """
         if self.root is None:
             return None
-        c = self.cfg.checkpoint
         t0 = time.perf_counter()
+        self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
         step = objs.train_state.step
         captured = dict(objs.train_state.state_dict())
-
-        def attempt(n: int) -> None:
-            retry.run_agreed(lambda: self._remove_step(step, include_dirty=True))
-            from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
-
-            sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
-            tasd, _ = MCoreTensorAwareStateDict.from_state_dict(sd, algo="fully_parallel")
-            self._mgr.latest_iteration = -1  # a cache of the library; our resume selection owns "latest"
-            request = self._mgr.save(tasd, step, is_async=True)  # returns the write as a request: we run it
-            retry.run_agreed(lambda: request.async_fn(*request.async_fn_args, **request.async_fn_kwargs))
-            # The library's finalize checks (collectively) that every rank holds the step.
-            retry.run_agreed(lambda: [fn() for fn in request.finalize_fns])
-            retry.run_agreed(lambda: self._seal(step, run_id, captured, objs))
-
-        def cleanup(n: int, failed: retry.SaveAttemptFailed) -> None:
-            log.warning("LOCAL save of step %d, attempt %d failed: %s", step, n, failed)
-            self._remove_step(step, include_dirty=True)
-
+        box: dict = {}
         try:
-            retry.run_attempts(attempt, attempts=c.save_retries, backoff_s=c.retry_backoff_s, on_failure=cleanup)
+            retry.run_agreed(lambda: box.update(self._stage(objs)))
         except retry.SaveAttemptFailed as e:
-            log.error("LOCAL checkpoint of step %d NOT saved (%s)", step, e)
+            log.error("LOCAL checkpoint of step %d NOT saved: staging failed (%s)", step, e)
             self.failures.append(step)
             return None
-        if self.layout.local_rank == 0:
-            layout.write_run_file(self.root, run_id)
-        try:
-            retention.prune_local(self.rank_dir, self.layout.rank, run_id, step, c.most_recent_k)
-        except OSError as e:
-            log.warning("LOCAL retention after step %d failed: %s", step, e)
+        extra = {"has_optimizer": self.cfg.checkpoint.save_optim, "has_rng": self.cfg.checkpoint.save_rng,
+                 "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer)}
+        job = self._stager.submit(self._write_and_seal, step, run_id, captured, box["header"], box["buffers"], extra)
         blocked = time.perf_counter() - t0
+        self._in_flight = _InFlight(step, run_id, t0, blocked, job)
         if self.layout.rank == 0:
-            log.info("LOCAL checkpoint of step %d saved under %s (blocked %.2fs)", step, self.root, blocked)
+            log.info("LOCAL checkpoint of step %d handed to the writer (blocked %.2fs)", step, blocked)
         return blocked
 
-    def _seal(self, step: int, run_id: str, train_state: dict, objs: TrainingObjects) -> None:
-        ckpt, man_path = self._paths(step)
-        man = manifest.build_manifest(
-            tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
-            train_state=train_state, files=manifest.describe_files(self.rank_dir, [ckpt.name]),
-            rank=self.layout.rank, has_optimizer=self.cfg.checkpoint.save_optim,
-            has_rng=self.cfg.checkpoint.save_rng,
-            distributed_optimizer=ckpt_state.uses_distributed_optimizer(objs.optimizer),
-        )
-        manifest.write_manifest(man_path, man)
+    def _stage(self, objs: TrainingObjects) -> dict:
+        from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
-    def _remove_step(self, step: int, include_dirty: bool) -> None:
+        c = self.cfg.checkpoint
+        sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
+        tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
+            sd, algo="fully_parallel", cached_metadata=self._distribution)
+        buffers = self._stager.stage(tasd.pop_tensors())
+        return {"header": local_file.encode_header(tasd, buffers), "buffers": buffers}
+
+    def _write_and_seal(self, step: int, run_id: str, train_state: dict, header: bytes, buffers: list,
+                        extra: dict) -> int:
+        """Writer thread: write this rank's file and manifest; transient I/O errors retried here."""
+        c = self.cfg.checkpoint
         ckpt, man_path = self._paths(step)
-        victims = [ckpt, man_path]
-        if include_dirty:
-            victims.append(ckpt.with_name(ckpt.name.replace("_local.pt", "_local.dirty.pt")))
-        for p in victims:
+        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        for n in range(1, max(1, c.save_retries) + 1):
+            self._remove_step(step)
+            try:
+                entry = local_file.write(ckpt, header, buffers)
+                man = manifest.build_manifest(
+                    tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
+                    train_state=train_state, files={ckpt.name: entry}, rank=self.layout.rank, **extra)
+                manifest.write_manifest(man_path, man)
+                return int(entry["size"])
+            except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
+                if n >= c.save_retries or retry.classify(e) != retry.TRANSIENT:
+                    self._remove_step(step)
+                    raise
+                log.warning("LOCAL write of step %d, attempt %d failed (%s); retrying", step, n, e)
+                time.sleep(c.retry_backoff_s * 2 ** (n - 1))
+        raise AssertionError("unreachable")
+
+    def _remove_step(self, step: int) -> None:
+        ckpt, man_path = self._paths(step)
+        for p in (man_path, ckpt, ckpt.with_name(ckpt.name.replace("_local.pt", "_local.dirty.pt"))):
             p.unlink(missing_ok=True)
 
     def finalize(self, blocking: bool) -> None:
-        return None  # LOCAL saves are synchronous: node-local disk is fast
+        """Collective: when the in-flight save has ended on every rank (or ``blocking``), agree on it.
+
+        Sealed everywhere: the step counts as saved and retention runs. Failed anywhere: every rank
+        removes its files of that step and the step is recorded in ``failures``.
+        """
+        job = self._in_flight
+        if job is None:
+            return
+        if not blocking and not _dist.all_true(job.job.done()):
+            return  # a sync point per step while a save is in flight: one small all-reduce
+        self._in_flight = None
+        error = job.job.exception()
+        if error is not None:
+            log.error("LOCAL write of step %d failed on rank %d: %r", job.step, self.layout.rank, error)
+        if not _dist.all_true(error is None):
+            self._remove_step(job.step)
+            log.error("LOCAL checkpoint of step %d NOT saved (failed on some rank); the previous one stays "
+                      "the newest", job.step)
+            self.failures.append(job.step)
+            return
+        self.sealed.append(job.step)
+        self.last_durable_s = time.perf_counter() - job.started
+        if self.layout.local_rank == 0:
+            layout.write_run_file(self.root, job.run_id)
+        try:
+            retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step, self.cfg.checkpoint.most_recent_k)
+        except OSError as e:
+            log.warning("LOCAL retention after step %d failed: %s", job.step, e)
+        if self.layout.rank == 0:
+            log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
+                     job.step, self.root, job.blocked_s, self.last_durable_s)
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self._in_flight is None else 1
 
     def close(self) -> None:
-        return None
+        """Collective: seal (or fail) the save in flight, then stop the writer and free the buffers."""
+        try:
+            self.finalize(blocking=True)
+        finally:
+            self._stager.close()
 
     # ------------------------------------------------------------------ resume
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
@@ -146,7 +211,22 @@ class LocalTier:
         return out
 
     def verify(self, cand: Candidate) -> Optional[str]:
-        return manifest.check_files(self.rank_dir, cand.manifest["files"])
+        """Read this rank's file once, checking size and checksum; the bytes are kept for :meth:`load`.
+
+        This read *is* the load's read: resume selection verifies every rank's file (and quarantines
+        on failure) before any state changes, and the load decodes the bytes verified here.
+        """
+        self._verified.clear()
+        (name, entry), = cand.manifest["files"].items()
+        try:
+            self._verified[cand.step] = local_file.read_verified(self.rank_dir / name, entry)
+        except FileNotFoundError:
+            return f"missing-file {name}"
+        except local_file.LocalFileError as e:
+            return str(e)  # "<reason> <file> ..."; the first word names the quarantine
+        except OSError as e:
+            return f"unreadable {name} ({e.strerror})"
+        return None
 
     def quarantine(self, cand: Candidate, reason: str) -> None:
         for p in self._paths(cand.step):
@@ -159,10 +239,15 @@ class LocalTier:
         man = layout.read_json(self._paths(step)[1]) or {}
         optim = c.load_optim and man.get("has_optimizer", True)
         rng = c.load_rng and man.get("has_rng", True)
-        self._mgr.latest_iteration = step  # load exactly this step (agreed by resume selection)
-        tasd, _ = self._mgr.load()
+        ckpt = self._paths(step)[0]
+        data = self._verified.pop(step, None)
+        if data is None:  # not verified in this process (a direct load): verify now, same single read
+            (name, entry), = man["files"].items()
+            data = local_file.read_verified(self.rank_dir / name, entry)
+        self._verified.clear()
+        tasd = local_file.decode(data, ckpt)
+        del data
         sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)
         loaded = tasd.to_state_dict(sd, algo="fully_parallel")
         ckpt_state.apply(objs, loaded, optim=optim, rng=rng)
-        self._mgr.latest_iteration = -1
         return str(self.root)

@@ -47,7 +47,6 @@ class CheckpointManager:
         self._last_saved: dict[CheckpointTier, Optional[int]] = {t: None for t in CheckpointTier}
         self._preflight: tuple[Optional[int], bool] = (None, False)
         self._closed = False
-        self._local_saved: list[int] = []
         self.events: list[SaveEvent] = []  # published GLOBAL saves of this process (for tests/benchmarks)
 
     def _notify(self, event: SaveEvent) -> None:
@@ -129,9 +128,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def maybe_save(self, objs: TrainingObjects) -> None:
-        """Collective, after every optimizer step: publish finished async saves, then save each tier
-        whose interval divides the step."""
-        self._tiers[CheckpointTier.GLOBAL].finalize(blocking=False)
+        """Collective, after every optimizer step: seal/publish the background saves that ended on
+        every rank, then save each tier whose interval divides the step."""
+        for handler in self._tiers.values():
+            handler.finalize(blocking=False)
         self._raise_if_failed()
         step = objs.train_state.step
         for tier in (CheckpointTier.LOCAL, CheckpointTier.GLOBAL):  # LOCAL first: it is the fast one
@@ -156,10 +156,8 @@ class CheckpointManager:
             log.error("%s checkpoint of step %d skipped: non-finite values", tier.value, step)
             self._raise_if_failed()
             return
-        blocked = handler.save(objs, run_id=objs.train_state.run_id)
+        handler.save(objs, run_id=objs.train_state.run_id)
         self._last_saved[tier] = step
-        if blocked is not None and tier is CheckpointTier.LOCAL:
-            self._local_saved.append(step)
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -172,20 +170,32 @@ class CheckpointManager:
         return self._last_saved[tier]
 
     def saved_steps(self, tier: CheckpointTier) -> list[int]:
-        """Steps this process saved in ``tier`` (GLOBAL: published ones only)."""
+        """Steps this process saved in ``tier`` that are published (GLOBAL) or sealed on every rank (LOCAL)."""
         if tier is CheckpointTier.LOCAL:
-            return list(self._local_saved)
+            return list(self._tiers[CheckpointTier.LOCAL].sealed)
         return [e.step for e in self.events]
 
+    def staging_bytes(self, tier: CheckpointTier) -> int:
+        """Bytes of host staging memory ``tier`` holds on this rank (kept between saves)."""
+        return int(getattr(self._tiers[tier], "staging_bytes", 0))
+
+    def in_flight(self, tier: CheckpointTier) -> int:
+        """Saves of ``tier`` handed to the background writer and not yet sealed/published (0 or 1)."""
+        return int(self._tiers[tier].in_flight)
+
     def wait(self) -> None:
-        """Collective: block until every in-flight async save is published."""
-        self._tiers[CheckpointTier.GLOBAL].finalize(blocking=True)
+        """Collective: block until every in-flight save of both tiers is sealed/published (or failed)."""
+        for handler in self._tiers.values():
+            handler.finalize(blocking=True)
+        self._raise_if_failed()
 
     def close(self) -> None:
         """Collective: publish every in-flight async save, then stop the async writer. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for handler in self._tiers.values():
-            handler.close()
+        try:
+            self._tiers[CheckpointTier.LOCAL].close()
+        finally:
+            self._tiers[CheckpointTier.GLOBAL].close()
         self._raise_if_failed()

@@ -3,6 +3,7 @@
 Nothing else in tierstack calls ``torch.cuda``; it asks this package.
 """
 
+from tierstack.platform.host_copy import copy_to_host, empty_host_buffer
 from tierstack.platform.runtime import (
     ParallelLayout,
     current_layout,
@@ -19,6 +20,8 @@ from tierstack.platform.runtime import (
 )
 
 __all__ = [
+    "copy_to_host",
+    "empty_host_buffer",
     "ParallelLayout",
     "current_layout",
     "default_backend",

@@ -1,0 +1,162 @@
+"""The LOCAL tier's file: a small header, then the raw bytes of every tensor, written from staging
+buffers and read back with one read.
+
+Layout (little-endian)::
+
+    b"TSLOCAL\\x02"                8 bytes, magic and version
+    header length                 8 bytes, unsigned
+    header                        torch.save of {"tasd": the hollow MCoreTensorAwareStateDict
+                                  (metadata, common state, sharded objects; no tensor data),
+                                  "tensors": [(offset, nbytes, dtype name, shape), ...]}
+    padding to 64 bytes
+    tensor bytes                  each tensor at data start + offset, offsets 64-byte aligned
+
+Why not ``torch.save`` of the whole state (what NVRx's LocalCheckpointManager writes): the tensor
+bytes go to the file straight from the staging buffers with ``os.write`` (no pickling of tensors,
+GIL released), the checksum is computed over the same chunks as they are written, and a load reads
+the file once into one host buffer whose checksum is verified before any tensor is built from it;
+the tensors are then views of that buffer (no second copy). Files of format 1 (a ``torch.save`` zip,
+starting with ``PK``) are still read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tierstack.checkpointing import layout, manifest
+
+MAGIC = b"TSLOCAL\x02"
+_ALIGN = 64
+_CHUNK = 64 << 20  # bytes per write/read call; the checksum runs per chunk while it is in cache
+
+
+class LocalFileError(ValueError):
+    """A LOCAL file is not in a format this version reads (the message names the file)."""
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_header(hollow: Any, buffers: Sequence[torch.Tensor]) -> bytes:
+    """Header bytes for ``hollow`` (a state dict whose tensors were popped) and the tensors' buffers.
+
+    Called in the blocking part of a save: it snapshots the non-tensor state (scheduler, TrainState,
+    RNG, optimizer hyper-parameters) so that later changes by training cannot reach the file.
+    """
+    table, offset = [], 0
+    for b in buffers:
+        nbytes = b.numel() * b.element_size()
+        table.append((offset, nbytes, str(b.dtype).removeprefix("torch."), tuple(b.shape)))
+        offset = _aligned(offset + nbytes)
+    out = io.BytesIO()
+    torch.save({"tasd": hollow, "tensors": table}, out)
+    return out.getvalue()
+
+
+def write(path: Path, header: bytes, buffers: Sequence[torch.Tensor], algo: str = manifest.CHECKSUM) -> dict:
+    """Write ``path`` durably: into ``<path>.dirty`` (exclusive create), fsync, rename, fsync the dir.
+
+    Returns:
+        The manifest entry ``{"size": bytes, <algo>: checksum}`` of the bytes written.
+
+    Raises:
+        OSError: from the filesystem (the ``.dirty`` file is left for the caller to remove).
+    """
+    path = Path(path)
+    dirty = path.with_name(path.name.replace(".pt", ".dirty.pt"))
+    update, value, size = manifest.CHECKSUMS[algo], 0, 0
+    prefix = MAGIC + len(header).to_bytes(8, "little") + header
+    prefix += bytes(_aligned(len(prefix)) - len(prefix))
+    fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        def put(data: memoryview) -> None:
+            nonlocal value, size
+            value = update(data, value)
+            while data:
+                n = os.write(fd, data)
+                data = data[n:]
+                size += n
+
+        put(memoryview(prefix))
+        for b in buffers:
+            view = _bytes_view(b)
+            for i in range(0, len(view), _CHUNK):
+                put(view[i:i + _CHUNK])
+            pad = _aligned(size - len(prefix)) + len(prefix) - size
+            if pad:
+                put(memoryview(bytes(pad)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(dirty, path)
+    layout.fsync_dir(path.parent)
+    return {"size": size, algo: value}
+
+
+def read_verified(path: Path, entry: dict) -> torch.Tensor:
+    """Read ``path`` once into a host buffer, checking size and checksum against ``entry``.
+
+    Returns:
+        A uint8 tensor holding the whole file.
+
+    Raises:
+        LocalFileError: size or checksum differ from the manifest entry (the message says which);
+            OSError: the file cannot be read.
+    """
+    algo = manifest.entry_algo(entry)
+    if algo is None:
+        raise LocalFileError(f"no-checksum {path.name}")
+    update: Callable = manifest.CHECKSUMS[algo]
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != int(entry["size"]):
+            raise LocalFileError(f"size-mismatch {path.name} ({size} != {entry['size']} bytes)")
+        data = torch.empty(size, dtype=torch.uint8)
+        view, value, got = _bytes_view(data), 0, 0
+        while got < size:
+            n = f.readinto(view[got:got + _CHUNK])
+            if not n:
+                raise LocalFileError(f"size-mismatch {path.name} (ended at {got} of {size} bytes)")
+            value = update(view[got:got + n], value)
+            got += n
+    if value != int(entry[algo]):
+        raise LocalFileError(f"checksum-mismatch {path.name}")
+    return data
+
+
+def decode(data: torch.Tensor, path: Path) -> Any:
+    """The state dict (NVRx ``TensorAwareStateDict``) held by a verified file's bytes.
+
+    Format 2: the hollow state dict with its tensors inserted as views of ``data`` (no copy).
+    Format 1 (NVRx ``torch.save``): ``torch.load`` from memory.
+
+    Raises:
+        LocalFileError: neither format (names the file).
+    """
+    raw = data.numpy()
+    head = bytes(raw[:8])
+    if head[:2] == b"PK":
+        return torch.load(io.BytesIO(memoryview(raw)), weights_only=False)  # nosec: our own file, verified
+    if head != MAGIC:
+        raise LocalFileError(f"unknown-format {path} is not a tierstack LOCAL checkpoint (starts with {head!r})")
+    hlen = int.from_bytes(bytes(raw[8:16]), "little")
+    meta = torch.load(io.BytesIO(memoryview(raw[16:16 + hlen])), weights_only=False)  # nosec: verified above
+    start = _aligned(16 + hlen)
+    tensors = []
+    for offset, nbytes, dtype, shape in meta["tensors"]:
+        lo = start + offset
+        tensors.append(data[lo:lo + nbytes].view(getattr(torch, dtype)).reshape(shape))
+    hollow = meta["tasd"]
+    hollow.insert_tensors(tensors)
+    return hollow
