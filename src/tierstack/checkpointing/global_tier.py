@@ -1,10 +1,15 @@
 """GLOBAL tier: megatron-core ``dist_checkpointing`` (torch_dist) on persistent shared storage.
 
 A save follows the protocol of DESIGN.md: write into ``iter_N.staging-<run>-<attempt>``, agree,
-seal (manifest with per-file CRC-32, computed by all ranks in parallel), publish (rank 0 renames the
-directory, then rewrites the trackers atomically), retain. Asynchronous saves write in a background
-process (megatron-core ``AsyncCallsQueue``); sealing and publishing run in the finalize step with the
-step and TrainState captured when the save was scheduled.
+seal (manifest with per-file CRC-32C), publish (rank 0 renames the directory, then rewrites the
+trackers atomically), retain.
+
+Both sync and async saves copy the tensors into the tier's reused staging buffers and run
+megatron-core's torch_dist write plan on the tier's writer thread (:mod:`global_writer`, which
+says why not megatron's forked writers); each rank checksums the files it wrote there. A sync save
+waits for the writer; an async one returns, and the loop's finalize (once the writer ended on
+every rank) runs megatron's finalize, seals and publishes with the step and TrainState captured
+when the save was scheduled. At most one save is in flight.
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ import io
 import logging
 import shutil
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from tierstack.checkpointing import _dist, layout, manifest, retention, retry
+from tierstack.checkpointing import _dist, global_writer, layout, manifest, retention, retry
 from tierstack.checkpointing import state as ckpt_state
+from tierstack.checkpointing.staging import Stager
 from tierstack.checkpointing.types import Candidate, CheckpointTier, SaveEvent, TrainingObjects
 from tierstack.config import ConfigContainer
 from tierstack.platform import ParallelLayout
@@ -33,12 +40,16 @@ class CheckpointLoadError(RuntimeError):
 
 
 @dataclass
-class _Scheduled:
+class _InFlight:
     step: int
     staging: Path
     train_state: dict
     run_id: str
-    blocked_s: float
+    extra: dict
+    request: object  # megatron AsyncRequest (its finalize_fns run at our finalize)
+    job: Future  # the writer thread's job: this rank's file entries
+    started: float  # perf_counter at the start of the save
+    blocked_s: float = 0.0
 
 
 class GlobalTier:
@@ -52,20 +63,13 @@ class GlobalTier:
         load = c.load or c.save
         self.load_root = Path(load) if load else None
         self._on_publish = on_publish
-        self._queue = None
         self._warmup = None
-        self._scheduled: list[_Scheduled] = []
+        self._stager = Stager("GLOBAL")
+        self._in_flight: Optional[_InFlight] = None
         self.failures: list[int] = []  # steps whose save failed (the manager decides what to do)
+        self.last_durable_s: Optional[float] = None  # start of the last published save to its publish
         if self.save_root is not None:
             self._prewarm_writer()
-        if c.async_save and self.save_root is not None:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            from tierstack import platform
-
-            # The persistent worker is spawned and selects a CUDA device in the child, which a
-            # CPU-only child cannot do; on CPU each save forks a writer instead (fork: no imports).
-            self._queue = AsyncCallsQueue(persistent=platform.has_gpu())
 
     @property
     def enabled(self) -> bool:
@@ -123,11 +127,15 @@ class GlobalTier:
 
     # ------------------------------------------------------------------ save
     def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
+        """Collective: stage, plan and hand the write to the writer thread; a sync save (``async_save``
+        false) also waits for it and publishes. Returns the seconds the caller was blocked, or None
+        when the save failed on some rank."""
         if self.save_root is None:
             return None
         c = self.cfg.checkpoint
         self._wait_warm()
         t0 = time.perf_counter()
+        self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
         step = objs.train_state.step
         extra = {
             "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
@@ -135,18 +143,13 @@ class GlobalTier:
             "has_rng": c.save_rng,
         }
         captured = dict(objs.train_state.state_dict())
-        is_async = self._queue is not None
 
         def attempt(n: int):
             staging = self.save_root / layout.staging_dir_name(step, run_id, n)
             retry.run_agreed(lambda: self._make_staging(staging, objs.config))
             # Rebuilt per attempt: dist_checkpointing preprocesses the dict in place.
             sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
-            request = self._write(sd, staging, is_async)
-            if is_async:
-                return staging, request
-            self._seal_and_publish(step, staging, captured, run_id, extra)
-            return staging, None
+            return staging, self._plan(sd, staging)
 
         def cleanup(n: int, failed: retry.SaveAttemptFailed) -> None:
             log.warning("GLOBAL save of step %d, attempt %d failed: %s", step, n, failed)
@@ -161,15 +164,30 @@ class GlobalTier:
             log.error("GLOBAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", step, e)
             self.failures.append(step)
             return None
-        if is_async:
-            self._schedule(request, _Scheduled(step, staging, captured, run_id, 0.0), extra)
-        blocked = time.perf_counter() - t0
-        if is_async:
-            self._scheduled[-1].blocked_s = blocked
-            log.info("GLOBAL checkpoint of step %d scheduled (blocked %.2fs)", step, blocked)
-        else:
-            self._after_publish(step, run_id, blocked)
-        return blocked
+        job = self._stager.submit(global_writer.write_request, request, staging,
+                                  attempts=c.save_retries, backoff_s=c.retry_backoff_s)
+        self._in_flight = _InFlight(step, staging, captured, run_id, extra, request, job, t0)
+        self._in_flight.blocked_s = time.perf_counter() - t0
+        if not c.async_save:
+            self.finalize(blocking=True)
+            return time.perf_counter() - t0
+        log.info("GLOBAL checkpoint of step %d scheduled (blocked %.2fs)", step, self._in_flight.blocked_s)
+        return self._in_flight.blocked_s
+
+    def _plan(self, sd: dict, staging: Path):
+        """Stage the tensors into the reused buffers, then let megatron plan the write (collective)."""
+        from megatron.core import dist_checkpointing
+
+        box = {}
+
+        def plan():
+            global_writer.stage_sharded_tensors(sd, self._stager)
+            box["request"] = dist_checkpointing.save(
+                sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True
+            )
+
+        retry.run_agreed(plan)
+        return box["request"]
 
     def _make_staging(self, staging: Path, cfg: ConfigContainer) -> None:
         if _dist.rank() == 0:
@@ -177,21 +195,14 @@ class GlobalTier:
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
 
-    def _write(self, sd: dict, staging: Path, is_async: bool):
-        from megatron.core import dist_checkpointing
+    def _seal_and_publish(self, step: int, staging: Path, train_state: dict, run_id: str, extra: dict,
+                          described: dict) -> None:
+        """Collective: manifest, then rank 0 renames and updates trackers.
 
-        box = {}
-
-        def write():
-            box["request"] = dist_checkpointing.save(
-                sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=is_async
-            )
-
-        retry.run_agreed(write)
-        return box.get("request")
-
-    def _seal_and_publish(self, step: int, staging: Path, train_state: dict, run_id: str, extra: dict) -> None:
-        """Collective: manifest (checksums split over ranks), then rank 0 renames and updates trackers."""
+        ``described``: this rank's entries of the files its writer wrote (checksummed there); the
+        files no rank's writer wrote (megatron's metadata, common.pt, run_config.yaml) are
+        checksummed here, split over ranks.
+        """
 
         def run_config_and_names():
             if _dist.rank() == 0:
@@ -204,12 +215,19 @@ class GlobalTier:
         box: list = []
         retry.run_agreed(run_config_and_names)
         names = _dist.broadcast_object(box[0] if box else None)
-        mine = names[_dist.rank():: _dist.world_size()]
+        written: dict = {}
+        for part in _dist.all_gather_object(described):
+            written.update(part)
+        rest = [n for n in names if n not in written]
+        mine = rest[_dist.rank():: _dist.world_size()]
         parts: list = []
         retry.run_agreed(lambda: parts.append(manifest.describe_files(staging, mine)))
-        files: dict = {}
+        files: dict = dict(written)
         for part in _dist.all_gather_object(parts[0]):
             files.update(part)
+        if set(files) != set(names):
+            raise retry.SaveAttemptFailed(retry.PERMANENT, RuntimeError(
+                f"files written {sorted(set(files) - set(names))} are not in the staging directory"))
 
         def publish():
             if _dist.rank() != 0:
@@ -244,45 +262,46 @@ class GlobalTier:
                 log.warning("GLOBAL retention after step %d failed: %s", step, e)
         self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s))
 
-    # ------------------------------------------------------------------ async
-    def _schedule(self, request, job: _Scheduled, extra: dict) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-        inner_finalize = list(request.finalize_fns)
-
-        def finalize() -> None:
-            t0 = time.perf_counter()
-            try:
-                for fn in inner_finalize:  # megatron's own (collective; they fail on all ranks alike)
-                    fn()
-                retry.agree(None)
-                self._seal_and_publish(job.step, job.staging, job.train_state, job.run_id, extra)
-            except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                log.error("async GLOBAL checkpoint of step %d NOT published: %s", job.step, e)
-                if _dist.rank() == 0:
-                    shutil.rmtree(job.staging, ignore_errors=True)
-                self.failures.append(job.step)
-                return
-            self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
-
-        wrapped = AsyncRequest(
-            request.async_fn, request.async_fn_args, [finalize], request.async_fn_kwargs, request.preload_fn
-        )
-        self._scheduled.append(job)
-        self._queue.schedule_async_request(wrapped)
-
+    # ------------------------------------------------------------------ finalize
     def finalize(self, blocking: bool) -> None:
-        """Collective: publish the async saves that finished (all of them when ``blocking``)."""
-        if self._queue is None or self._queue.get_num_unfinalized_calls() == 0:
+        """Collective: publish the save in flight once its writer ended on every rank (or wait for
+        it when ``blocking``). A failure on any rank fails it on every rank: the staging directory
+        is removed and the step recorded in ``failures``."""
+        job = self._in_flight
+        if job is None:
             return
-        done = self._queue.maybe_finalize_async_calls(blocking=blocking)
-        del self._scheduled[: len(done)]
+        if not blocking and not _dist.all_true(job.job.done()):
+            return  # a sync point per step while a save is in flight: one small all-reduce
+        self._in_flight = None
+        t0 = time.perf_counter()
+        error = job.job.exception()
+        if error is not None:
+            log.error("GLOBAL write of step %d failed on rank %d: %r", job.step, _dist.rank(), error)
+        try:
+            if not _dist.all_true(error is None):
+                raise retry.SaveAttemptFailed(retry.PERMANENT, error)
+            # megatron's own finalize: write results gathered, .metadata written (collective)
+            retry.run_agreed(lambda: [fn() for fn in job.request.finalize_fns])
+            self._seal_and_publish(job.step, job.staging, job.train_state, job.run_id, job.extra, job.job.result())
+        except retry.SaveAttemptFailed as e:
+            if error is None:
+                global_writer.discard_results(job.request)
+            log.error("GLOBAL checkpoint of step %d NOT published (%s); the previous one stays the newest",
+                      job.step, e)
+            if _dist.rank() == 0:
+                shutil.rmtree(job.staging, ignore_errors=True)
+            self.failures.append(job.step)
+            return
+        self.last_durable_s = time.perf_counter() - job.started
+        self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
 
     @property
     def in_flight(self) -> int:
-        return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
+        return 0 if self._in_flight is None else 1
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._stager.nbytes
 
     # ------------------------------------------------------------------ resume
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
@@ -368,9 +387,10 @@ class GlobalTier:
         return True
 
     def close(self) -> None:
+        """Collective: publish (or fail) the save in flight, stop the writer, free the buffers."""
         # A warm-up still talking to the Manager when the process exits dies with EOFError.
         self._wait_warm()
-        if self._queue is not None:
+        try:
             self.finalize(blocking=True)
-            self._queue.close()
-            self._queue = None
+        finally:
+            self._stager.close()

@@ -82,8 +82,8 @@ class Stager:
         platform.copy_to_host(self._buffers, tensors)
         return list(self._buffers)
 
-    def submit(self, fn: Callable, *args) -> Future:
-        """Run ``fn(*args)`` on the writer thread; the buffers are the writer's until it returns.
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the writer thread; the buffers are the writer's until it returns.
 
         Raises:
             RuntimeError: the previous job has not ended (the caller must finalize it first).
@@ -92,7 +92,7 @@ class Stager:
             raise RuntimeError(f"{self.name} staging: a save is still in flight")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstack-{self.name}-writer")
-        self._job = self._executor.submit(fn, *args)
+        self._job = self._executor.submit(fn, *args, **kwargs)
         return self._job
 
     def close(self) -> None:

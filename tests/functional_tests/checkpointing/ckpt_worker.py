@@ -31,16 +31,25 @@ def tiny_config(overrides):
 
 
 def slow_down_writer(seconds):
-    """Make the background GLOBAL writer slow (it runs in a forked process, so the patch is inherited)."""
+    """Make the background writers of both tiers slow: each file write first sleeps ``seconds``
+    (the writers are threads of this process, so patching the functions they call is enough)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    original = FileSystemWriterAsync.write_preloaded_data_multiproc
+    from tierstack.checkpointing import local_file
 
-    def slow(*args, **kwargs):
+    global_write = FileSystemWriterAsync.write_preloaded_data
+    local_write = local_file.write
+
+    def slow_global(*args, **kwargs):
         time.sleep(seconds)
-        return original(*args, **kwargs)
+        return global_write(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow)
+    def slow_local(*args, **kwargs):
+        time.sleep(seconds)
+        return local_write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_global)
+    local_file.write = slow_local
 
 
 def _ensure_grad_finalization(model, record):
