@@ -6,10 +6,12 @@ Everything is measured in one run, on the same model + optimizer state, on every
 1. Limits: ``copy_`` of the state size into a preallocated buffer (what a snapshot costs at least),
    durable write (write + fsync) into the save directory, cold read (page cache evicted with
    ``posix_fadvise(DONTNEED)``), and the bytes of model + optimizer state per rank.
-2. Ours (``CheckpointManager``): blocking time of a GLOBAL sync save, a GLOBAL async save (plus the
-   extra step time of the training steps that run while its writer does), a LOCAL save; the time to
-   durable (published and fsync'd; a LOCAL save does not fsync, so its files are fsync'd after it and
-   that time is added); resume from each tier, warm and with the checkpoint evicted from the page cache.
+2. Ours (``CheckpointManager``): blocking time of a GLOBAL sync save, a GLOBAL async save, a LOCAL
+   save (on the save directory's disk and on a tmpfs, ``/dev/shm``); the time to durable (written,
+   fsync'd, sealed on every rank; GLOBAL: published); for each background save, the extra time of the
+   training steps that run while its writer does; the staging memory each tier keeps and the resident
+   memory growth from save 2 to save N; resume from each tier, warm and with the checkpoint evicted
+   from the page cache.
 3. Peers on the same tensors: ``torch.save`` per rank (+ fsync), ``torch.distributed.checkpoint.save``
    and ``async_save`` (FileSystemWriter, which fsyncs).
 
@@ -99,6 +101,7 @@ class Bench:
     root: Path
     state_bytes: int = 0  # this rank
     total_state_bytes: int = 0  # all ranks
+    tmpfs: Optional[Path] = None  # LOCAL directory on /dev/shm
     flat: dict = field(default_factory=dict)  # the same tensors, flat, for the peers
 
     def step(self) -> float:
@@ -198,15 +201,6 @@ def bytes_under(path: Path) -> int:
     return sum(p.stat().st_size for p in files_under(path))
 
 
-def fsync_files(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def evict(paths) -> None:
     """Drop the files' pages from the page cache (clean pages only: fsync first)."""
     for p in paths:
@@ -283,49 +277,66 @@ def measure_global_sync(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
     return out
 
 
-def measure_global_async(b: Bench, mgr, reps: int, max_steps: int) -> dict[str, list[float]]:
-    """Schedule a save, then train (finalizing each step, as the loop does) until it is published."""
-    from tierstack.checkpointing import CheckpointTier
+def measure_async(b: Bench, mgr, tier, reps: int, max_steps: int) -> dict[str, list[float]]:
+    """Per repetition, two saves of ``tier`` (asynchronous in the background writer):
 
+    1. save, then ``wait()`` at once: the blocking time and the time to durable (written, fsync'd,
+       sealed on every rank / published), with nothing competing for the CPU;
+    2. save, then train (``maybe_save`` after each step finalizes, as the loop does) until the save
+       is sealed: the extra time of those steps over a step without a save (GIL, memory bandwidth
+       and cores shared with the writer).
+    """
     out: dict[str, list[float]] = {k: [] for k in ("blocking", "durable", "extra", "steps", "base", "bytes")}
     for _ in range(reps):
-        base = statistics.median(b.step() for _ in range(2))
-        published = len(mgr.events)
         b.objs.train_state.step += 1
         dist.barrier()
         t0 = time.perf_counter()
-        mgr.save(CheckpointTier.GLOBAL, b.objs)
+        mgr.save(tier, b.objs)
         blocking = max_over_ranks(time.perf_counter() - t0)
+        mgr.wait()
+        out["durable"].append(max_over_ranks(time.perf_counter() - t0))
+        out["blocking"].append(blocking)
+        out["bytes"].append(saved_bytes(b, mgr, tier))
+        base = statistics.median(b.step() for _ in range(2))
+        b.objs.train_state.step += 1
+        mgr.save(tier, b.objs)
         steps: list[float] = []
-        while len(mgr.events) == published and len(steps) < max_steps:
+        while mgr.in_flight(tier) and len(steps) < max_steps:
             t1 = time.perf_counter()
             b.step()
             mgr.maybe_save(b.objs)  # intervals are off: this only finalizes finished saves
             steps.append(max_over_ranks(time.perf_counter() - t1))
         mgr.wait()
-        out["durable"].append(max_over_ranks(time.perf_counter() - t0))
-        out["blocking"].append(blocking)
         out["extra"].append(sum(steps) - base * len(steps))
         out["steps"].append(len(steps))
         out["base"].append(base)
-        out["bytes"].append(mgr.events[-1].bytes)
     return out
 
 
-def measure_local(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
+def saved_bytes(b: Bench, mgr, tier) -> int:
+    """Bytes of the checkpoint of the current step, all ranks."""
     from tierstack.checkpointing import CheckpointTier
 
-    rank_dir = Path(b.cfg.checkpoint.local_dir) / str(rank())
-    out: dict[str, list[float]] = {"blocking": [], "durable": [], "bytes": []}
-    for _ in range(reps):
+    if tier is CheckpointTier.GLOBAL:
+        return mgr.events[-1].bytes
+    rank_dir = Path(mgr.cfg.checkpoint.local_dir) / str(rank())
+    mine = [p for p in files_under(rank_dir) if f"iter_{b.objs.train_state.step:07d}_" in p.name]
+    return sum_over_ranks(sum(p.stat().st_size for p in mine))
+
+
+def measure_rss(b: Bench, mgr, tier, saves: int) -> tuple[int, int, int]:
+    """Resident memory of this process after save 2 and after save ``saves`` of ``tier`` (each
+    waited for), and the staging bytes the tier holds; the largest growth over ranks."""
+    import psutil
+
+    proc, rss = psutil.Process(), {}
+    for n in range(1, saves + 1):
         b.objs.train_state.step += 1
-        s, _ = timed(lambda: mgr.save(CheckpointTier.LOCAL, b.objs))
-        mine = [p for p in files_under(rank_dir) if f"iter_{b.objs.train_state.step:07d}_" in p.name]
-        f, _ = timed(lambda: fsync_files(mine + [rank_dir]))
-        out["blocking"].append(s)
-        out["durable"].append(s + f)
-        out["bytes"].append(sum_over_ranks(sum(p.stat().st_size for p in mine)))
-    return out
+        mgr.save(tier, b.objs)
+        mgr.wait()
+        rss[n] = proc.memory_info().rss
+    growth = max_over_ranks(float(rss[saves] - rss[2]))
+    return rss[2], int(growth), mgr.staging_bytes(tier)
 
 
 def measure_resume(b: Bench, cfg, roots: list[Path], reps: int, expect) -> dict[str, list[float]]:
@@ -405,7 +416,7 @@ def fmt_row(name: str, xs: Optional[list[float]], nbytes: int, limit: Optional[f
     return cols
 
 
-def report(b: Bench, args, lim, gs, ga, lo, rg, rl, peers) -> None:
+def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss) -> None:
     if rank() != 0:
         return
     total = b.total_state_bytes
@@ -432,24 +443,36 @@ def report(b: Bench, args, lim, gs, ga, lo, rg, rl, peers) -> None:
         ("GLOBAL async: blocking", ga["blocking"], memcpy, pb, best_block),
         ("GLOBAL async: to durable", ga["durable"], write, pd, best_dur),
         ("LOCAL: blocking", lo["blocking"], memcpy, pb, best_block),
-        ("LOCAL: to durable (+fsync after)", lo["durable"], write, pd, best_dur),
+        ("LOCAL: to durable", lo["durable"], write, pd, best_dur),
+        ("LOCAL on tmpfs: blocking", lt["blocking"], memcpy, pb, best_block),
+        ("LOCAL on tmpfs: to durable", lt["durable"], memcpy, pd, best_dur),
         ("resume GLOBAL: warm", rg["warm"], memcpy, None, ""),
         ("resume GLOBAL: cold", rg["cold"], read, None, ""),
         ("resume LOCAL: warm", rl["warm"], memcpy, None, ""),
         ("resume LOCAL: cold", rl["cold"], read, None, ""),
+        ("resume LOCAL on tmpfs", rt["warm"], memcpy, None, ""),
     ]
     for name, res in peers.items():
         rows.append((f"peer {name}: blocking", res["blocking"], memcpy, None, ""))
         rows.append((f"peer {name}: durable", res["durable"], write, None, ""))
     for name, xs, limit, peer, pname in rows:
         print(fmt_row(name, xs, total, limit, peer, pname))
-    print("\nlimit column: copy_ for blocking times and warm resumes, write+fsync for durable times, cold read "
-          "for cold resumes; peer column: the fastest peer on the same figure.")
-    extra = [e / max(n, 1) / bs for e, n, bs in zip(ga["extra"], ga["steps"], ga["base"])]
-    print(f"GLOBAL async: {statistics.median(ga['steps']):.0f} steps ran while the writer did (median); their "
-          f"extra time {statistics.median(ga['extra']):+.3f} s in all (min {min(ga['extra']):+.3f}, max "
-          f"{max(ga['extra']):+.3f}), {100 * statistics.median(extra):+.0f}% per step over a "
-          f"{statistics.median(ga['base']):.3f} s step without a save")
+    print("\nlimit column: copy_ for blocking times, warm resumes and tmpfs, write+fsync for durable times, cold "
+          "read for cold resumes; peer column: the fastest peer on the same figure. tmpfs: "
+          f"{b.tmpfs}. Durable: written, fsync'd and sealed on every rank (GLOBAL: published).")
+    for name, res in (("GLOBAL async", ga), ("LOCAL", lo), ("LOCAL on tmpfs", lt)):
+        per_step = [e / max(n, 1) / bs for e, n, bs in zip(res["extra"], res["steps"], res["base"])]
+        dur = statistics.median(res["durable"])
+        print(f"{name}: {statistics.median(res['steps']):.0f} steps overlapped the background write (median); "
+              f"their extra time {statistics.median(res['extra']):+.3f} s in all (min {min(res['extra']):+.3f}, "
+              f"max {max(res['extra']):+.3f}) = {statistics.median(res['extra']) / dur:.2f}x the save's durable "
+              f"time (goal <= 0.25x); {100 * statistics.median(per_step):+.0f}% per step over a "
+              f"{statistics.median(res['base']):.3f} s step without a save")
+    print("staging buffers per rank (host memory kept between saves): "
+          + ", ".join(f"{k} {v[2] / 2**30:.3f} GiB ({v[2] / b.state_bytes:.2f}x the state)" for k, v in rss.items()))
+    print("resident memory growth from save 2 to save {n} (largest over ranks; bound: 0.05x the state = "
+          "{bound:.0f} MiB): ".format(n=args.rss_saves, bound=0.05 * b.state_bytes / 2**20)
+          + ", ".join(f"{k} {v[1] / 2**20:+.0f} MiB" for k, v in rss.items()))
     wr = [("GLOBAL sync", statistics.median(gs["bytes"])), ("GLOBAL async", statistics.median(ga["bytes"])),
           ("LOCAL", statistics.median(lo["bytes"]))]
     wr += [(k, statistics.median(v["bytes"])) for k, v in peers.items()]
@@ -459,29 +482,47 @@ def report(b: Bench, args, lim, gs, ga, lo, rg, rl, peers) -> None:
 
 # ------------------------------------------------------------------------------------------------- main
 def profile_one(b: Bench, mgrs: dict, which: str, cfgs: dict) -> None:
-    """cProfile on rank 0 of one save or resume (the other ranks run it unprofiled)."""
+    """cProfile on rank 0 of one save (and its wait) or resume: the training thread, and for a save
+    also the writer thread's job (profiled in that thread). Other ranks run unprofiled."""
     from tierstack.checkpointing import CheckpointManager, CheckpointTier
+    from tierstack.checkpointing.staging import Stager
 
     b.objs.train_state.step += 1
-    prof = cProfile.Profile()
+    prof, writer_prof = cProfile.Profile(), cProfile.Profile()
+    real_submit = Stager.submit
+
+    def submit(self, fn, *args, **kwargs):  # run the writer's job under its own profiler (rank 0)
+        def job(*a, **k):
+            writer_prof.enable()
+            try:
+                return fn(*a, **k)
+            finally:
+                writer_prof.disable()
+        return real_submit(self, job if rank() == 0 else fn, *args, **kwargs)
+
+    Stager.submit = submit
     if which in ("resume-global", "resume-local"):
         evict_all(b.root)
         mgr = CheckpointManager(cfgs[which], b.layout)
         fn = lambda: mgr.resume(b.objs)  # noqa: E731
-    elif which == "global-async":
-        fn = lambda: (mgrs["async"].save(CheckpointTier.GLOBAL, b.objs), mgrs["async"].wait())  # noqa: E731
     else:
+        m = mgrs["async" if which == "global-async" else "sync"]
         tier = CheckpointTier.LOCAL if which == "local" else CheckpointTier.GLOBAL
-        fn = lambda: mgrs["sync"].save(tier, b.objs)  # noqa: E731
+        fn = lambda: (m.save(tier, b.objs), m.wait())  # noqa: E731
     dist.barrier()
     if rank() == 0:
         prof.enable()
     s, _ = timed(fn)
+    Stager.submit = real_submit
     if rank() == 0:
         prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
-        print(f"\n== cProfile of {which} on rank 0 ({s:.3f} s, slowest rank)\n" + buf.getvalue())
+        for name, p in (("training thread", prof), ("writer thread", writer_prof)):
+            buf = io.StringIO()
+            try:
+                pstats.Stats(p, stream=buf).sort_stats("cumulative").print_stats(25)
+            except TypeError:  # nothing recorded (no writer job)
+                continue
+            print(f"\n== cProfile of {which}, {name}, rank 0 ({s:.3f} s, slowest rank)\n" + buf.getvalue())
 
 
 def parse_args():
@@ -490,10 +531,13 @@ def parse_args():
     ap.add_argument("--reps", type=int, default=None, help="repetitions per figure (default 5; 3 at 1gib)")
     ap.add_argument("--dir", default="runs/bench_checkpoint", help="save directory (wiped)")
     ap.add_argument("--max-async-steps", type=int, default=40, help="steps at most while an async save runs")
+    ap.add_argument("--rss-saves", type=int, default=None,
+                    help="saves per tier for the resident-memory check (default 20; 10 at 1gib)")
     ap.add_argument("--profile", choices=("global-sync", "global-async", "local", "resume-global", "resume-local"),
                     help="only profile this path once (cProfile, rank 0) instead of benchmarking")
     args = ap.parse_args()
     args.reps = args.reps or (3 if args.scale == "1gib" else 5)
+    args.rss_saves = args.rss_saves or (10 if args.scale == "1gib" else 20)
     return args
 
 
@@ -511,8 +555,13 @@ def main() -> int:
     mgr_sync = CheckpointManager(cfg, b.layout)  # starts the writer's result channel in the background
     cfg_async = with_checkpoint(cfg, save=str(root / "global_async"), local_dir=None, async_save=True)
     mgr_async = CheckpointManager(cfg_async, b.layout)
+    # LOCAL on a tmpfs: one directory per node (torchrun's pid is the same for its ranks)
+    b.tmpfs = Path(f"/dev/shm/tierstack-bench-{os.getppid()}")
+    cfg_tmpfs = with_checkpoint(cfg, save=None, local_dir=str(b.tmpfs))
+    mgr_tmpfs = CheckpointManager(cfg_tmpfs, b.layout)
     mgr_sync.resume(b.objs)  # fresh start: agrees on a run id, claims the roots
     mgr_async.resume(b.objs)
+    mgr_tmpfs.resume(b.objs)
     b.step()  # Adam state exists after the first step
     b.flat = flatten_state(b.objs)
     b.state_bytes = sum(t.numel() * t.element_size() for t in b.flat.values())
@@ -520,6 +569,7 @@ def main() -> int:
     cfgs = {
         "resume-global": with_checkpoint(cfg, save=None, load=cfg.checkpoint.save, local_dir=None),
         "resume-local": with_checkpoint(cfg, save=None, load=None),
+        "resume-tmpfs": with_checkpoint(cfg_tmpfs, save=None, load=None),
     }
     if args.profile:
         if args.profile.startswith("resume"):
@@ -529,14 +579,20 @@ def main() -> int:
     else:
         lim = measure_limits(b, args.reps)
         gs = measure_global_sync(b, mgr_sync, args.reps)
-        ga = measure_global_async(b, mgr_async, args.reps, args.max_async_steps)
-        lo = measure_local(b, mgr_sync, args.reps)
+        ga = measure_async(b, mgr_async, CheckpointTier.GLOBAL, args.reps, args.max_async_steps)
+        lo = measure_async(b, mgr_sync, CheckpointTier.LOCAL, args.reps, args.max_async_steps)
+        lt = measure_async(b, mgr_tmpfs, CheckpointTier.LOCAL, args.reps, args.max_async_steps)
+        rss = {"GLOBAL async": measure_rss(b, mgr_async, CheckpointTier.GLOBAL, args.rss_saves),
+               "LOCAL": measure_rss(b, mgr_sync, CheckpointTier.LOCAL, args.rss_saves)}
         peers = measure_peers(b, args.reps)
         rg = measure_resume(b, cfgs["resume-global"], [Path(cfg.checkpoint.save)], args.reps, CheckpointTier.GLOBAL)
         rl = measure_resume(b, cfgs["resume-local"], [Path(cfg.checkpoint.local_dir)], args.reps, CheckpointTier.LOCAL)
-        report(b, args, lim, gs, ga, lo, rg, rl, peers)
+        rt = measure_resume(b, cfgs["resume-tmpfs"], [b.tmpfs], args.reps, CheckpointTier.LOCAL)
+        report(b, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss)
+    mgr_tmpfs.close()
     mgr_async.close()
     mgr_sync.close()
+    remove(b.tmpfs)
     if rank() == 0:
         print(f"\nwall time of the whole benchmark: {time.perf_counter() - t_start:.0f} s")
     remove(root)

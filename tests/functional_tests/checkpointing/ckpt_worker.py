@@ -1,6 +1,6 @@
 """One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``.
 
-Usage: ckpt_worker.py OUT_DIR [--slow-writer SECONDS] [section.field=value ...]
+Usage: ckpt_worker.py OUT_DIR [--slow-writer SECONDS] [--kill-during-local-write STEP] [section.field=value ...]
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
 data) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
@@ -52,6 +52,24 @@ def slow_down_writer(seconds):
     local_file.write = slow_local
 
 
+def kill_during_local_write(step):
+    """Rank 1 writes half of its LOCAL file of ``step``, then SIGKILLs itself (a node lost mid-save)."""
+    import signal
+
+    from tierstack.checkpointing import local_file
+
+    real_write = local_file.write
+
+    def write(path, header, buffers, *args, **kwargs):
+        if os.environ.get("RANK") == "1" and f"iter_{step:07d}_" in path.name:
+            dirty = path.with_name(path.name.replace(".pt", ".dirty.pt"))
+            dirty.write_bytes(local_file.MAGIC + header[: len(header) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(path, header, buffers, *args, **kwargs)
+
+    local_file.write = write
+
+
 def _ensure_grad_finalization(model, record):
     """The DP gradient all-reduce and the PP tied-embedding all-reduce run in megatron-core's
     ``finalize_model_grads``, which the schedules call only when the model config names it. Set it
@@ -91,8 +109,11 @@ def _param_sums(model):
 def main():
     out = Path(sys.argv[1])
     args = sys.argv[2:]
-    if args[:1] == ["--slow-writer"]:
-        slow_down_writer(float(args[1]))
+    while args[:1] in (["--slow-writer"], ["--kill-during-local-write"]):
+        if args[0] == "--slow-writer":
+            slow_down_writer(float(args[1]))
+        else:
+            kill_during_local_write(int(args[1]))
         args = args[2:]
     cfg = tiny_config(args)
     rank = int(os.environ["RANK"])
@@ -118,6 +139,16 @@ def main():
 
     setup_mod.setup = spy_setup
 
+    from tierstack.checkpointing import CheckpointManager, CheckpointTier
+
+    real_close = CheckpointManager.close
+
+    def spy_close(self):  # what was still being written when training ended
+        record.setdefault("in_flight_at_close", {t.value: self.in_flight(t) for t in CheckpointTier})
+        return real_close(self)
+
+    CheckpointManager.close = spy_close
+
     def on_step(ts, result):
         record["losses"][str(ts.step)] = float(result.loss).hex()
         if tracker is not None:
@@ -136,6 +167,7 @@ def main():
         resume=None if info is None else {"tier": info.tier.value, "step": info.step, "seconds": info.seconds},
         train_state=final.state_dict(),
         published=[e.step for e in s.checkpoint_manager.events],
+        local_sealed=s.checkpoint_manager.saved_steps(CheckpointTier.LOCAL),
         events=[{"step": e.step, "bytes": e.bytes, "seconds": e.seconds} for e in s.checkpoint_manager.events],
         wall_s=time.time() - t0,
     )

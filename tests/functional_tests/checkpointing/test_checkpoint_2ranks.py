@@ -30,12 +30,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out: Path, *overrides: str, slow_writer: float = 0.0) -> list[dict]:
-    """Run the worker on 2 ranks; returns each rank's record (params under key "params")."""
+def launch(out: Path, *overrides: str, slow_writer: float = 0.0, kill_during_local_write: int = 0,
+           expect_failure: bool = False):
+    """Run the worker on 2 ranks; returns each rank's record (params under key "params"), or the
+    completed process when ``expect_failure`` (then it must have failed)."""
     extra = ["--slow-writer", str(slow_writer)] if slow_writer else []
+    extra += ["--kill-during-local-write", str(kill_during_local_write)] if kill_during_local_write else []
     cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(WORKER), str(out),
            *extra, f"logger.run_dir={out}/run", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if expect_failure:
+        assert proc.returncode != 0, (proc.stdout + proc.stderr)[-6000:]
+        return proc
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = []
     for r in range(2):
@@ -163,4 +169,42 @@ def test_retention_keeps_two_newest_in_each_tier(tmp_path):
     for r in (0, 1):
         assert sorted(p.name for p in (loc / str(r)).iterdir() if p.suffix == ".pt") == [
             f"iter_0000020_{r}_local.pt", f"iter_0000030_{r}_local.pt"]
+    assert ckpt_inspect.verify(str(loc))[1] == 0
+
+
+@pytest.mark.slow
+def test_local_save_in_flight_at_the_end_is_sealed_and_holds_the_handed_off_state(tmp_path):
+    """Each LOCAL file write first sleeps 2 s: steps 5-8 run (changing every parameter and Adam
+    moment in place) while step 4 is written, and step 8 is still being written when training
+    ends. Exit waits for it; and resuming from step 4 repeats steps 5-8 bit for bit, so step 4's
+    file holds the state handed off at step 4 (the staging copy), not what later steps wrote."""
+    loc = tmp_path / "local"
+    straight = launch(tmp_path / "a", "train.train_iters=8", f"checkpoint.local_dir={loc}",
+                      "checkpoint.local_save_interval=4", slow_writer=2.0)
+    for rec in straight:
+        assert rec["in_flight_at_close"] == {"local": 1, "global": 0}
+        assert rec["local_sealed"] == [4, 8]
+    for r in (0, 1):
+        assert sorted(p.name for p in (loc / str(r)).iterdir()) == [
+            f"iter_0000004_{r}_local.manifest.json", f"iter_0000004_{r}_local.pt",
+            f"iter_0000008_{r}_local.manifest.json", f"iter_0000008_{r}_local.pt"]
+    assert ckpt_inspect.verify(str(loc))[1] == 0
+    resumed = launch(tmp_path / "b", "train.train_iters=8", f"checkpoint.local_dir={loc}", "checkpoint.ckpt_step=4")
+    assert resumed[0]["resume"]["tier"] == "local" and resumed[0]["resume"]["step"] == 4
+    assert_same_run(straight, resumed, 4)
+
+
+@pytest.mark.slow
+def test_sigkill_while_a_local_save_is_written_resumes_from_the_previous_step(tmp_path):
+    """Rank 1 dies (SIGKILL) half-way through writing its LOCAL file of step 4; step 2 was sealed.
+    The next launch resumes from step 2: a step not sealed on every rank is never a candidate."""
+    loc = tmp_path / "local"
+    launch(tmp_path / "a", "train.train_iters=6", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=2",
+           kill_during_local_write=4, expect_failure=True)
+    assert (loc / "1" / "iter_0000004_1_local.dirty.pt").exists()
+    assert not (loc / "1" / "iter_0000004_1_local.manifest.json").exists()
+    b = launch(tmp_path / "b", "train.train_iters=6", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=2")
+    assert b[0]["resume"]["tier"] == "local" and b[0]["resume"]["step"] == 2
+    assert sorted(b[0]["losses"], key=int) == ["3", "4", "5", "6"]
+    assert b[0]["local_sealed"] == [4, 6] == b[1]["local_sealed"]
     assert ckpt_inspect.verify(str(loc))[1] == 0
