@@ -173,7 +173,8 @@ class LocalTier:
         if self.layout.local_rank == 0:
             layout.write_run_file(self.root, job.run_id)
         try:
-            retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step, self.cfg.checkpoint.most_recent_k)
+            retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step,
+                                  self.cfg.checkpoint.most_recent_k)
         except OSError as e:
             log.warning("LOCAL retention after step %d failed: %s", job.step, e)
         if self.layout.rank == 0:

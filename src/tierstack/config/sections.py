@@ -102,10 +102,11 @@ class CheckpointConfig:
     save_interval: Optional[int] = None  # iterations between GLOBAL saves
     load: Optional[str] = None  # GLOBAL directory to resume from; None = same as save
     ckpt_step: Optional[int] = None  # load this exact step instead of the newest
-    local_dir: Optional[str] = None  # LOCAL checkpoint root (node-local disk); None = no LOCAL tier
+    # LOCAL checkpoint root: node-local disk, or a tmpfs such as /dev/shm/<run> (README says when); None = no LOCAL tier
+    local_dir: Optional[str] = None
     local_save_interval: Optional[int] = None  # iterations between LOCAL saves
     most_recent_k: int = 2  # checkpoints kept per tier; -1 keeps all
-    async_save: bool = False  # GLOBAL saves in a background writer
+    async_save: bool = False  # GLOBAL saves in a background writer (LOCAL saves always are)
     fully_parallel_save: bool = True  # spread GLOBAL writes over data-parallel ranks
     fully_parallel_load: bool = True
     save_optim: bool = True
