@@ -82,14 +82,25 @@ class CheckpointTierHandler(Protocol):
         ...
 
     def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
-        """Write, seal and publish (or schedule) a checkpoint of ``objs.train_state.step``.
+        """Checkpoint ``objs.train_state.step``: finalize the save still in flight (at most one per
+        tier), copy the state into the tier's staging buffers and hand the write to its writer
+        thread (:class:`~tierstack.checkpointing.staging.Stager`); a synchronous save also waits
+        and publishes.
 
         Returns the seconds the caller was blocked, or None when the save failed everywhere.
         """
         ...
 
     def finalize(self, blocking: bool) -> None:
-        """Publish finished asynchronous saves (no-op for synchronous tiers)."""
+        """Seal and publish the save in flight once its writer ended on every rank (``blocking``:
+        wait for it). A failure on any rank fails it on every rank."""
         ...
 
-    def close(self) -> None: ...
+    @property
+    def in_flight(self) -> int:
+        """Saves handed to the writer and not yet finalized (0 or 1)."""
+        ...
+
+    def close(self) -> None:
+        """Finalize the save in flight (blocking), stop the writer thread, free the staging buffers."""
+        ...
