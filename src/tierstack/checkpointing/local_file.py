@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -123,13 +124,26 @@ def read_verified(path: Path, entry: dict) -> torch.Tensor:
         if size != int(entry["size"]):
             raise LocalFileError(f"size-mismatch {path.name} ({size} != {entry['size']} bytes)")
         data = torch.empty(size, dtype=torch.uint8)
-        view, value, got = _bytes_view(data), 0, 0
-        while got < size:
-            n = f.readinto(view[got:got + _CHUNK])
-            if not n:
-                raise LocalFileError(f"size-mismatch {path.name} (ended at {got} of {size} bytes)")
-            value = update(view[got:got + n], value)
-            got += n
+        view, value = _bytes_view(data), 0
+
+        def read(lo: int) -> int:
+            hi, got = min(lo + _CHUNK, size), lo
+            while got < hi:
+                n = f.readinto(view[got:hi])
+                if not n:
+                    raise LocalFileError(f"size-mismatch {path.name} (ended at {got} of {size} bytes)")
+                got += n
+            return hi
+
+        # Pipelined: a helper thread reads chunk i+1 while this one checksums chunk i (both release
+        # the GIL), so a cold read costs about the read alone.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstack-local-read") as pool:
+            lo, pending = 0, pool.submit(read, 0) if size else None
+            while pending is not None:
+                hi = pending.result()
+                pending = pool.submit(read, hi) if hi < size else None
+                value = update(view[lo:hi], value)
+                lo = hi
     if value != int(entry[algo]):
         raise LocalFileError(f"checksum-mismatch {path.name}")
     return data

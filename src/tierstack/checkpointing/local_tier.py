@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
