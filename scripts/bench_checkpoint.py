@@ -506,7 +506,7 @@ def profile_one(b: Bench, mgrs: dict, which: str, cfgs: dict) -> None:
         mgr = CheckpointManager(cfgs[which], b.layout)
         fn = lambda: mgr.resume(b.objs)  # noqa: E731
     else:
-        m = mgrs["async" if which == "global-async" else "sync"]
+        m = mgrs[which]
         tier = CheckpointTier.LOCAL if which == "local" else CheckpointTier.GLOBAL
         fn = lambda: (m.save(tier, b.objs), m.wait())  # noqa: E731
     dist.barrier()
@@ -552,16 +552,19 @@ def main() -> int:
     cfg = bench_config(args.scale, root)
     b = build(cfg, root)
     remove(root)
-    mgr_sync = CheckpointManager(cfg, b.layout)  # starts the writer's result channel in the background
+    # One manager per tier set-up, each closed after its figures: closing frees its staging buffers
+    # (one copy of the state each), so at most one set is held at a time.
+    cfg_gsync = with_checkpoint(cfg, local_dir=None)
     cfg_async = with_checkpoint(cfg, save=str(root / "global_async"), local_dir=None, async_save=True)
-    mgr_async = CheckpointManager(cfg_async, b.layout)
+    cfg_local = with_checkpoint(cfg, save=None)
     # LOCAL on a tmpfs: one directory per node (torchrun's pid is the same for its ranks)
     b.tmpfs = Path(f"/dev/shm/tierstack-bench-{os.getppid()}")
     cfg_tmpfs = with_checkpoint(cfg, save=None, local_dir=str(b.tmpfs))
-    mgr_tmpfs = CheckpointManager(cfg_tmpfs, b.layout)
-    mgr_sync.resume(b.objs)  # fresh start: agrees on a run id, claims the roots
-    mgr_async.resume(b.objs)
-    mgr_tmpfs.resume(b.objs)
+    mgrs = {k: CheckpointManager(c, b.layout)  # GLOBAL ones start the writer's result channel now
+            for k, c in (("global-sync", cfg_gsync), ("global-async", cfg_async), ("local", cfg_local),
+                         ("tmpfs", cfg_tmpfs))}
+    for m in mgrs.values():
+        m.resume(b.objs)  # fresh start: agrees on a run id, claims the roots
     b.step()  # Adam state exists after the first step
     b.flat = flatten_state(b.objs)
     b.state_bytes = sum(t.numel() * t.element_size() for t in b.flat.values())
@@ -573,25 +576,31 @@ def main() -> int:
     }
     if args.profile:
         if args.profile.startswith("resume"):
-            mgr_sync.save(CheckpointTier.GLOBAL, b.objs)
-            mgr_sync.save(CheckpointTier.LOCAL, b.objs)
-        profile_one(b, {"sync": mgr_sync, "async": mgr_async}, args.profile, cfgs)
+            mgrs["global-sync"].save(CheckpointTier.GLOBAL, b.objs)
+            mgrs["local"].save(CheckpointTier.LOCAL, b.objs)
+            mgrs["local"].wait()
+        profile_one(b, mgrs, args.profile, cfgs)
     else:
+        G, L = CheckpointTier.GLOBAL, CheckpointTier.LOCAL
         lim = measure_limits(b, args.reps)
-        gs = measure_global_sync(b, mgr_sync, args.reps)
-        ga = measure_async(b, mgr_async, CheckpointTier.GLOBAL, args.reps, args.max_async_steps)
-        lo = measure_async(b, mgr_sync, CheckpointTier.LOCAL, args.reps, args.max_async_steps)
-        lt = measure_async(b, mgr_tmpfs, CheckpointTier.LOCAL, args.reps, args.max_async_steps)
-        rss = {"GLOBAL async": measure_rss(b, mgr_async, CheckpointTier.GLOBAL, args.rss_saves),
-               "LOCAL": measure_rss(b, mgr_sync, CheckpointTier.LOCAL, args.rss_saves)}
+        gs = measure_global_sync(b, mgrs["global-sync"], args.reps)
+        mgrs["global-sync"].close()
+        ga = measure_async(b, mgrs["global-async"], G, args.reps, args.max_async_steps)
+        rss = {"GLOBAL async": measure_rss(b, mgrs["global-async"], G, args.rss_saves)}
+        mgrs["global-async"].close()
+        lo = measure_async(b, mgrs["local"], L, args.reps, args.max_async_steps)
+        rss["LOCAL"] = measure_rss(b, mgrs["local"], L, args.rss_saves)
+        mgrs["local"].close()
+        lt = measure_async(b, mgrs["tmpfs"], L, args.reps, args.max_async_steps)
+        mgrs["tmpfs"].close()
+        rt = measure_resume(b, cfgs["resume-tmpfs"], [b.tmpfs], args.reps, L)
+        remove(b.tmpfs)  # give the memory back before the other figures
         peers = measure_peers(b, args.reps)
-        rg = measure_resume(b, cfgs["resume-global"], [Path(cfg.checkpoint.save)], args.reps, CheckpointTier.GLOBAL)
-        rl = measure_resume(b, cfgs["resume-local"], [Path(cfg.checkpoint.local_dir)], args.reps, CheckpointTier.LOCAL)
-        rt = measure_resume(b, cfgs["resume-tmpfs"], [b.tmpfs], args.reps, CheckpointTier.LOCAL)
+        rg = measure_resume(b, cfgs["resume-global"], [Path(cfg.checkpoint.save)], args.reps, G)
+        rl = measure_resume(b, cfgs["resume-local"], [Path(cfg.checkpoint.local_dir)], args.reps, L)
         report(b, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss)
-    mgr_tmpfs.close()
-    mgr_async.close()
-    mgr_sync.close()
+    for m in mgrs.values():
+        m.close()
     remove(b.tmpfs)
     if rank() == 0:
         print(f"\nwall time of the whole benchmark: {time.perf_counter() - t_start:.0f} s")
