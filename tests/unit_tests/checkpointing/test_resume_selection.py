@@ -96,3 +96,21 @@ def test_family_is_the_run_file_written_last(tmp_path):
     layout.write_run_file(tmp_path / "local", "new")
     assert selection.agree_family([tmp_path / "global", tmp_path / "local"]) == "new"
     assert selection.agree_family([tmp_path / "nothing"]) is None
+
+
+def test_damaged_local_file_is_quarantined_by_the_read_that_would_load_it(tmp_path):
+    """LOCAL verification reads the file once (size + CRC-32C of the bytes read); those bytes are
+    what the load decodes, so a flipped byte is caught before any state changes."""
+    _local(tmp_path / "local", 10)
+    _local(tmp_path / "local", 20)
+    rank_dir = tmp_path / "local" / "0"
+    f = rank_dir / layout.local_file_name(20, 0)
+    f.write_bytes(b"LOCAL" + f.read_bytes()[5:])  # same size, other bytes
+    tiers = _tiers(tmp_path)
+    chosen = selection.select(tiers, family="runA")
+    assert (chosen.handler.tier, chosen.step) == (CheckpointTier.LOCAL, 10)
+    assert chosen.quarantined == [f"local step 20: checksum-mismatch {f.name}"]
+    assert sorted(p.name for p in rank_dir.iterdir() if "invalid" in p.name) == sorted([
+        f"{f.name}.invalid-checksum-mismatch", f"{layout.local_manifest_name(20, 0)}.invalid-checksum-mismatch"])
+    kept = tiers[0]._verified[10]  # the verified bytes wait for load(): no second read
+    assert bytes(kept.numpy()) == (rank_dir / layout.local_file_name(10, 0)).read_bytes()
