@@ -1,6 +1,6 @@
 """One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``.
 
-Usage: ckpt_worker.py OUT_DIR [--slow-writer SECONDS] [--kill-during-local-write STEP] [section.field=value ...]
+Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] [section.field=value ...]
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
 data) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
@@ -30,26 +30,37 @@ def tiny_config(overrides):
     return cfg
 
 
-def slow_down_writer(seconds):
-    """Make the background writers of both tiers slow: each file write first sleeps ``seconds``
-    (the writers are threads of this process, so patching the functions they call is enough)."""
+def hold_writers_until(release: Path, timeout_s: float = 200.0):
+    """Make the background writers of both tiers wait, before each file write, until ``release`` exists.
+
+    The worker creates the file when its last step has run, so every save scheduled before then is
+    written only after the later steps changed the parameters in place, and no GLOBAL save can be
+    published before then: what the tests check follows from the order of events, not from how
+    fast this machine is. (The writers are threads of this process: patching the functions they
+    call is enough.) ``timeout_s`` only keeps a broken test from hanging.
+    """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from tierstack.checkpointing import local_file
 
+    def wait():
+        deadline = time.monotonic() + timeout_s
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     global_write = FileSystemWriterAsync.write_preloaded_data
     local_write = local_file.write
 
-    def slow_global(*args, **kwargs):
-        time.sleep(seconds)
+    def held_global(*args, **kwargs):
+        wait()
         return global_write(*args, **kwargs)
 
-    def slow_local(*args, **kwargs):
-        time.sleep(seconds)
+    def held_local(*args, **kwargs):
+        wait()
         return local_write(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_global)
-    local_file.write = slow_local
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(held_global)
+    local_file.write = held_local
 
 
 def kill_during_local_write(step):
@@ -68,19 +79,6 @@ def kill_during_local_write(step):
         return real_write(path, header, buffers, *args, **kwargs)
 
     local_file.write = write
-
-
-def _ensure_grad_finalization(model, record):
-    """The DP gradient all-reduce and the PP tied-embedding all-reduce run in megatron-core's
-    ``finalize_model_grads``, which the schedules call only when the model config names it. Set it
-    here when the training setup has not (so DP=2 and PP=2 train as they should)."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.utils import get_model_config
-
-    mc = get_model_config(model[0])
-    record["finalize_set_by_worker"] = mc.finalize_model_grads_func is None
-    if mc.finalize_model_grads_func is None:
-        mc.finalize_model_grads_func = finalize_model_grads
 
 
 def _optim_sums(optimizer):
@@ -109,12 +107,15 @@ def _param_sums(model):
 def main():
     out = Path(sys.argv[1])
     args = sys.argv[2:]
-    while args[:1] in (["--slow-writer"], ["--kill-during-local-write"]):
-        if args[0] == "--slow-writer":
-            slow_down_writer(float(args[1]))
+    release = None
+    while args[:1] in (["--hold-writers"], ["--kill-during-local-write"]):
+        if args[0] == "--hold-writers":
+            release = out / "release_writers"
+            hold_writers_until(release)
+            args = args[1:]
         else:
             kill_during_local_write(int(args[1]))
-        args = args[2:]
+            args = args[2:]
     cfg = tiny_config(args)
     rank = int(os.environ["RANK"])
     record = {"losses": {}, "tracker_after_step": {}, "param_sums": {}}
@@ -132,7 +133,6 @@ def main():
     def spy_setup(c):
         s = real_setup(c)
         captured["s"] = s
-        _ensure_grad_finalization(s.model, record)
         record["param_sums"]["resume"] = _param_sums(s.model)
         record["optim_sums"] = {"resume": _optim_sums(s.optimizer)}
         return s
@@ -158,6 +158,9 @@ def main():
         record.setdefault("optim_sums", {})[str(ts.step)] = _optim_sums(s.optimizer)
         captured["params"] = {k: v.detach().clone() for k, v in ckpt_state.unwrap(s.model[0]).state_dict().items()
                               if isinstance(v, torch.Tensor)}
+        if release is not None and ts.step == cfg.train.train_iters:
+            out.mkdir(parents=True, exist_ok=True)
+            release.touch()  # the last step's state is recorded: the held writers may go on
 
     t0 = time.time()
     final = pretrain(cfg, on_step=on_step)

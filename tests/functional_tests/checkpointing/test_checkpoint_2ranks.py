@@ -4,18 +4,17 @@ Each scenario launches ``ckpt_worker.py`` (tierstack.pretrain on a tiny GPT) one
 """
 
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from launcher import run_torchrun
+
 from tierstack.checkpointing import inspect as ckpt_inspect
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 TOPOLOGIES = {
     "tp2": ["distributed.tensor_model_parallel_size=2"],
@@ -24,21 +23,13 @@ TOPOLOGIES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(out: Path, *overrides: str, slow_writer: float = 0.0, kill_during_local_write: int = 0,
+def launch(out: Path, *overrides: str, hold_writers: bool = False, kill_during_local_write: int = 0,
            expect_failure: bool = False):
     """Run the worker on 2 ranks; returns each rank's record (params under key "params"), or the
     completed process when ``expect_failure`` (then it must have failed)."""
-    extra = ["--slow-writer", str(slow_writer)] if slow_writer else []
+    extra = ["--hold-writers"] if hold_writers else []
     extra += ["--kill-during-local-write", str(kill_during_local_write)] if kill_during_local_write else []
-    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(_free_port()), str(WORKER), str(out),
-           *extra, f"logger.run_dir={out}/run", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun([WORKER, out, *extra, f"logger.run_dir={out}/run", *overrides], timeout=240)
     if expect_failure:
         assert proc.returncode != 0, (proc.stdout + proc.stderr)[-6000:]
         return proc
@@ -139,11 +130,12 @@ def test_local_only_then_newer_tier_wins(tmp_path):
 
 @pytest.mark.slow
 def test_async_save_publishes_the_scheduled_step(tmp_path):
-    """The writer sleeps 3 s: training moves on, the tracker appears only at finalize, with the
-    scheduled step; the run ends right after scheduling step 4 and exits only after publishing it."""
+    """The writers are held until the last step has run: training moves on, the tracker appears only
+    at finalize, with the scheduled step; the run ends right after scheduling step 4 and exits only
+    after publishing it."""
     g = tmp_path / "global"
     out = launch(tmp_path / "run", "train.train_iters=4", f"checkpoint.save={g}", "checkpoint.save_interval=2",
-                 "checkpoint.async_save=true", slow_writer=3.0)
+                 "checkpoint.async_save=true", hold_writers=True)
     assert out[0]["tracker_after_step"] == {"1": None, "2": None, "3": None, "4": None}
     assert [e["step"] for e in out[0]["events"]] == [2, 4] == [e["step"] for e in out[1]["events"]]
     assert (g / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
@@ -174,13 +166,12 @@ def test_retention_keeps_two_newest_in_each_tier(tmp_path):
 
 @pytest.mark.slow
 def test_local_save_in_flight_at_the_end_is_sealed_and_holds_the_handed_off_state(tmp_path):
-    """Each LOCAL file write first sleeps 2 s: steps 5-8 run (changing every parameter and Adam
-    moment in place) while step 4 is written, and step 8 is still being written when training
-    ends. Exit waits for it; and resuming from step 4 repeats steps 5-8 bit for bit, so step 4's
+    """The writers are held until step 8 has run: steps 5-8 run (changing every parameter and Adam
+    moment in place) before step 4 is written, and step 8 is still in flight when training ends. Exit waits for it; and resuming from step 4 repeats steps 5-8 bit for bit, so step 4's
     file holds the state handed off at step 4 (the staging copy), not what later steps wrote."""
     loc = tmp_path / "local"
     straight = launch(tmp_path / "a", "train.train_iters=8", f"checkpoint.local_dir={loc}",
-                      "checkpoint.local_save_interval=4", slow_writer=2.0)
+                      "checkpoint.local_save_interval=4", hold_writers=True)
     for rec in straight:
         assert rec["in_flight_at_close"] == {"local": 1, "global": 0}
         assert rec["local_sealed"] == [4, 8]

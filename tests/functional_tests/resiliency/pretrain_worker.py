@@ -1,7 +1,9 @@
 """torchrun worker: a tiny GPT pretrain() run in which one rank can be made slow.
 
-Usage: torchrun --nproc-per-node 2 pretrain_worker.py RUN_ROOT SLOW_RANK SLEEP_S [section.field=value ...]
-SLOW_RANK -1 makes no rank slow. The slow rank sleeps inside its forward step.
+Usage: torchrun --nproc-per-node 2 pretrain_worker.py RUN_ROOT SLOW_RANK SLOWDOWN [section.field=value ...]
+SLOW_RANK -1 makes no rank slow. The slow rank sleeps inside its forward step, SLOWDOWN times the
+time that forward step took: straggler scores are ratios of section times, so a sleep in proportion
+flags the rank on a fast machine and on a loaded one alike.
 """
 
 import os
@@ -14,7 +16,7 @@ from tierstack.training.pretrain import pretrain
 
 
 def main() -> None:
-    run_root, slow_rank, sleep_s, overrides = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
+    run_root, slow_rank, slowdown, overrides = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
     config = gpt_config(
         "e2e",
         num_layers=2,
@@ -42,9 +44,11 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     def forward_step(data_iterator, model):
+        start = time.perf_counter()
+        out = gpt_forward_step(data_iterator, model)
         if rank == slow_rank:
-            time.sleep(sleep_s)
-        return gpt_forward_step(data_iterator, model)
+            time.sleep(slowdown * (time.perf_counter() - start))
+        return out
 
     state = pretrain(config, forward_step)
     if rank == 0:

@@ -1,6 +1,10 @@
 """torchrun worker: a timed loop in which one rank sleeps inside its step; writes what each rank saw.
 
-Usage: torchrun --nproc-per-node 2 straggler_worker.py OUT_DIR SLOW_RANK [SLEEP_S]
+Usage: torchrun --nproc-per-node 2 straggler_worker.py OUT_DIR SLOW_RANK [SLOWDOWN]
+
+The slow rank sleeps SLOWDOWN times its own compute time of that step (default 4, so its step takes
+about 5 times as long as the other rank's on any machine): the scores the test checks are ratios of
+step times, so a sleep in proportion keeps them independent of the machine's speed.
 """
 
 import json
@@ -19,7 +23,7 @@ from tierstack.resiliency.straggler import StragglerMonitor
 
 def main() -> None:
     out_dir, slow_rank = Path(sys.argv[1]), int(sys.argv[2])
-    sleep_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+    slowdown = float(sys.argv[3]) if len(sys.argv) > 3 else 4.0
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
     layout = initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1)
@@ -30,10 +34,11 @@ def main() -> None:
     try:
         for iteration in range(1, 41):
             with monitor.step_section():
+                start = time.perf_counter()
                 for _ in range(4):
                     x = torch.tanh(x @ x.T / 128)
                 if layout.rank == slow_rank:
-                    time.sleep(sleep_s)
+                    time.sleep(slowdown * (time.perf_counter() - start))
             report = monitor.maybe_report(iteration)
             if report is not None:
                 reports.append(

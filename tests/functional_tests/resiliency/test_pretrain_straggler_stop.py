@@ -15,7 +15,7 @@ import pytest
 def test_straggler_stop_saves_global_then_rerun_resumes(tmp_path, pretrain_run):
     node = socket.gethostname()
     log = pretrain_run(
-        tmp_path, 1, 0.3, "straggler.report_interval=4", "straggler.stop_if_detected=true", "mlflow=null"
+        tmp_path, 1, 9, "straggler.report_interval=4", "straggler.stop_if_detected=true", "mlflow=null"
     )
     assert f"STRAGGLERS: rank 1 on {node} -> stopping" in log
     assert re.search(r"GLOBAL checkpoint of step 4 published", log)

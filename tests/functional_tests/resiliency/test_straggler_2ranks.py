@@ -2,24 +2,17 @@
 
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launcher import run_torchrun
 
 WORKER = Path(__file__).with_name("straggler_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 @pytest.mark.slow
 def test_slow_rank_is_reported_by_rank_and_node_and_stop_is_agreed(tmp_path):
-    proc = subprocess.run(
-        [str(TORCHRUN), "--nproc-per-node", "2", str(WORKER), str(tmp_path), "1"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_torchrun([WORKER, tmp_path, "1"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stdout + proc.stderr
     node = socket.gethostname()
@@ -33,5 +26,7 @@ def test_slow_rank_is_reported_by_rank_and_node_and_stop_is_agreed(tmp_path):
         assert report["stragglers"] == [[1, node]]
         assert report["should_stop"] is True
     metrics = seen[0]["reports"][0]["metrics"]
-    assert metrics["straggler/train_step_relative_min"] < 0.7 <= metrics["straggler/train_step_relative_max"]
+    # rank 1's step takes about 5x rank 0's (its sleep is in proportion): the fastest rank scores 1
+    assert metrics["straggler/train_step_relative_min"] < metrics["straggler/train_step_relative_max"]
+    assert metrics["straggler/train_step_relative_max"] == pytest.approx(1.0)
     assert seen[1]["reports"][0]["metrics"] == {}  # metrics live on rank 0
