@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
@@ -14,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tierstack.config.sections import (
     SECTION_TYPES,
     CheckpointConfig,
+    ConfigError,
     DatasetConfig,
     DistributedConfig,
     LoggerConfig,
@@ -28,17 +28,7 @@ from tierstack.config.sections import (
 )
 
 
-class ConfigError(ValueError):
-    """Raised with every problem found in a config, each naming the field to change."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
-
-
 _OPTIONAL_SECTIONS = ("straggler", "mlflow")
-_LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 
 @dataclass(kw_only=True)
@@ -117,8 +107,15 @@ class ConfigContainer:
         return self
 
     # ---------------------------------------------------------------- validation
+    def sections(self) -> dict[str, Any]:
+        """``{name: section}`` of every enabled section (an off optional section is left out)."""
+        return {name: getattr(self, name) for name in SECTION_TYPES if getattr(self, name) is not None}
+
     def validate(self, world_size: Optional[int] = None) -> None:
-        """Check everything that can be checked before launch.
+        """Check everything that can be checked before launch; raise every problem at once.
+
+        Each section checks its own fields (``problems()`` of each section); this adds the rules
+        that span sections (Megatron's divisibility rules, which need the world size).
 
         Args:
             world_size: number of ranks; defaults to ``$WORLD_SIZE`` or 1.
@@ -129,48 +126,11 @@ class ConfigContainer:
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
         p: list[str] = []
-        m, t, d, o = self.model, self.train, self.distributed, self.optimizer
-        tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
-        for name, value in (
-            ("distributed.tensor_model_parallel_size", tp),
-            ("distributed.pipeline_model_parallel_size", pp),
-            ("model.num_layers", m.num_layers),
-            ("model.hidden_size", m.hidden_size),
-            ("model.num_attention_heads", m.num_attention_heads),
-            ("model.seq_length", m.seq_length),
-            ("train.train_iters", t.train_iters),
-            ("train.micro_batch_size", t.micro_batch_size),
-            ("train.global_batch_size", t.global_batch_size),
-            ("logger.log_interval", self.logger.log_interval),
-        ):
-            if value < 1:
-                p.append(f"{name}={value}: must be >= 1")
-        if p:
-            raise ConfigError(p)
-        p += self._validate_parallel(world_size)
-        if m.transformer_impl not in ("auto", "local", "transformer_engine"):
-            p.append(f"model.transformer_impl={m.transformer_impl!r}: use auto, local or transformer_engine")
-        if self.scheduler.lr_decay_style not in _LR_DECAY_STYLES:
-            p.append(f"scheduler.lr_decay_style={self.scheduler.lr_decay_style!r}: use one of {_LR_DECAY_STYLES}")
-        if self.scheduler.lr_warmup_iters < 0:
-            p.append("scheduler.lr_warmup_iters must be >= 0")
-        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-            p.append(f"optimizer.lr={o.lr} / optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr, lr > 0")
-        if t.eval_interval is not None and t.eval_interval < 1:
-            p.append("train.eval_interval must be >= 1 or null")
-        if t.eval_iters < 0:
-            p.append("train.eval_iters must be >= 0")
-        p += self._validate_data()
-        p += self._validate_checkpoint()
-        if self.straggler is not None:
-            s = self.straggler
-            if s.report_interval < 1:
-                p.append("straggler.report_interval must be >= 1")
-            if s.profiling_interval < 1:
-                p.append("straggler.profiling_interval must be >= 1")
-            for n in ("relative_threshold", "individual_threshold"):
-                if not 0.0 <= getattr(s, n) <= 1.0:
-                    p.append(f"straggler.{n} must be in [0, 1]")
+        for section in self.sections().values():
+            p += section.problems()
+        # The parallel rules divide by sizes: they run once those sizes are known to be >= 1.
+        if not (self.model.problems() or self.train.problems() or self.distributed.problems()):
+            p += self._validate_parallel(world_size)
         if p:
             raise ConfigError(p)
 
@@ -183,11 +143,6 @@ class ConfigContainer:
             p.append(
                 f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
                 f"distributed.tensor_model_parallel_size={tp}"
-            )
-        if m.hidden_size % m.num_attention_heads:
-            p.append(
-                f"model.hidden_size={m.hidden_size} is not divisible by "
-                f"model.num_attention_heads={m.num_attention_heads}"
             )
         if m.num_layers % pp:
             p.append(
@@ -206,59 +161,6 @@ class ConfigContainer:
                     f"train.global_batch_size={t.global_batch_size} is not divisible by "
                     f"train.micro_batch_size * data_parallel_size = {t.micro_batch_size} * {dp}"
                 )
-        return p
-
-    def _validate_data(self) -> list[str]:
-        p: list[str] = []
-        ds, tok = self.dataset, self.tokenizer
-        if tok.tokenizer_type not in ("byte", "huggingface"):
-            p.append(f"tokenizer.tokenizer_type={tok.tokenizer_type!r}: use 'byte' or 'huggingface'")
-        elif tok.tokenizer_type == "huggingface":
-            if not tok.tokenizer_path:
-                p.append("tokenizer.tokenizer_path: required for tokenizer_type=huggingface")
-            elif not Path(tok.tokenizer_path).is_file():
-                p.append(f"tokenizer.tokenizer_path={tok.tokenizer_path}: file not found")
-        try:
-            weights = [float(x) for x in ds.split.split(",")]
-            if len(weights) != 3 or any(w < 0 for w in weights) or weights[0] <= 0:
-                raise ValueError
-        except ValueError:
-            p.append(f"dataset.split={ds.split!r}: expected three non-negative weights 'train,valid,test'")
-        if ds.data_path is not None and not ds.mock:
-            paths = list(ds.data_path)
-            prefixes = paths[1::2] if len(paths) > 1 and _is_number(paths[0]) else paths
-            for prefix in prefixes:
-                for ext in (".bin", ".idx"):
-                    if not Path(f"{prefix}{ext}").is_file():
-                        p.append(
-                            f"dataset.data_path: {prefix}{ext} not found "
-                            "(run `tierstack preprocess` to build it)"
-                        )
-        return p
-
-    def _validate_checkpoint(self) -> list[str]:
-        p: list[str] = []
-        c = self.checkpoint
-        if c.save_interval is not None and c.save_interval < 1:
-            p.append("checkpoint.save_interval must be >= 1 or null")
-        if c.save_interval is not None and c.save is None:
-            p.append("checkpoint.save_interval is set but checkpoint.save (GLOBAL directory) is not")
-        if c.local_save_interval is not None and c.local_save_interval < 1:
-            p.append("checkpoint.local_save_interval must be >= 1 or null")
-        if c.local_save_interval is not None and c.local_dir is None:
-            p.append("checkpoint.local_save_interval is set but checkpoint.local_dir is not")
-        if c.most_recent_k == 0 or c.most_recent_k < -1:
-            p.append("checkpoint.most_recent_k must be >= 1, or -1 to keep all")
-        if c.ckpt_step is not None and c.ckpt_step < 0:
-            p.append("checkpoint.ckpt_step must be >= 0")
-        if c.save_retries < 1:
-            p.append("checkpoint.save_retries must be >= 1 (attempts, including the first)")
-        if c.retry_backoff_s < 0:
-            p.append("checkpoint.retry_backoff_s must be >= 0")
-        if c.pretrained_checkpoint is not None and not Path(c.pretrained_checkpoint).exists():
-            p.append(f"checkpoint.pretrained_checkpoint={c.pretrained_checkpoint}: not found")
-        if c.exit_on_missing_checkpoint and c.load is None and c.save is None and c.local_dir is None:
-            p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
         return p
 
     # ------------------------------------------------------------------ helpers
@@ -300,10 +202,3 @@ class ConfigContainer:
             raise ConfigError(problems)
         return cls(**kwargs)
 
-
-def _is_number(text: Any) -> bool:
-    try:
-        float(text)
-        return True
-    except (TypeError, ValueError):
-        return False

@@ -1,17 +1,58 @@
-"""One keyword-only dataclass per config section.
+"""One keyword-only dataclass per config section, each checking its own fields.
 
 Every field has a comment saying what it means and its unit. ``None`` turns a feature off.
-Cross-field checks live in :mod:`tierstack.config.container` (``ConfigContainer.validate``).
+Each section's ``problems()`` lists what is wrong with its own fields (naming each field to change)
+and ``validate()`` raises them at once; a component that takes one section (the straggler monitor,
+the tokenizer builder, the dataset builder) calls the same method, so a rule is written once.
+Rules that span sections (TP divides heads, ...) live in ``ConfigContainer.validate``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found in a config, each naming the field to change."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class _Section:
+    """What every section offers: ``problems()`` (collect) and ``validate()`` (raise once)."""
+
+    def problems(self) -> list[str]:
+        """Each problem of this section's own fields, naming the field; empty when valid."""
+        return []
+
+    def validate(self) -> None:
+        """Raises:
+        ConfigError: listing every problem of this section."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+
+def _at_least(section: str, obj: Any, names: tuple[str, ...], low: int = 1) -> list[str]:
+    """``section.name=value: must be >= low`` for each field below ``low``."""
+    return [
+        f"{section}.{n}={getattr(obj, n)}: must be >= {low}" for n in names if getattr(obj, n) < low
+    ]
+
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+TOKENIZER_TYPES = ("byte", "huggingface")
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(_Section):
     """GPT architecture (megatron-core ``TransformerConfig`` subset)."""
 
     num_layers: int = 4  # transformer layers; must divide by distributed.pipeline_model_parallel_size
@@ -27,9 +68,20 @@ class ModelConfig:
     transformer_impl: str = "auto"  # "auto" (TE when importable), "local" or "transformer_engine"
     bf16: bool = False  # bf16 parameters (GPU); CPU runs use fp32
 
+    def problems(self) -> list[str]:
+        p = _at_least("model", self, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
+        if not p and self.hidden_size % self.num_attention_heads:
+            p.append(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            p.append(f"model.transformer_impl={self.transformer_impl!r}: use auto, local or transformer_engine")
+        return p
+
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(_Section):
     """Loop length and batch sizes (in samples)."""
 
     train_iters: int = 200  # optimizer steps
@@ -39,9 +91,17 @@ class TrainConfig:
     eval_iters: int = 4  # global batches per validation run
     exit_interval: Optional[int] = None  # stop (after checkpointing) when iteration % this == 0
 
+    def problems(self) -> list[str]:
+        p = _at_least("train", self, ("train_iters", "micro_batch_size", "global_batch_size"))
+        if self.eval_interval is not None and self.eval_interval < 1:
+            p.append("train.eval_interval must be >= 1 or null")
+        if self.eval_iters < 0:
+            p.append("train.eval_iters must be >= 0")
+        return p
+
 
 @dataclass(kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     """Adam over megatron-core ``get_megatron_optimizer``."""
 
     lr: float = 3e-3  # peak learning rate
@@ -53,9 +113,14 @@ class OptimizerConfig:
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
     use_distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks
 
+    def problems(self) -> list[str]:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            return [f"optimizer.lr={self.lr} / optimizer.min_lr={self.min_lr}: need 0 <= min_lr <= lr, lr > 0"]
+        return []
+
 
 @dataclass(kw_only=True)
-class SchedulerConfig:
+class SchedulerConfig(_Section):
     """LR schedule (megatron-core ``OptimizerParamScheduler``)."""
 
     lr_warmup_iters: int = 20  # linear warmup length in iterations
@@ -64,9 +129,17 @@ class SchedulerConfig:
     start_weight_decay: Optional[float] = None  # None = optimizer.weight_decay
     end_weight_decay: Optional[float] = None  # None = optimizer.weight_decay
 
+    def problems(self) -> list[str]:
+        p = []
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            p.append(f"scheduler.lr_decay_style={self.lr_decay_style!r}: use one of {LR_DECAY_STYLES}")
+        if self.lr_warmup_iters < 0:
+            p.append("scheduler.lr_warmup_iters must be >= 0")
+        return p
+
 
 @dataclass(kw_only=True)
-class DatasetConfig:
+class DatasetConfig(_Section):
     """Training data. ``data_path`` None means the built-in corpus (Python standard library sources)."""
 
     data_path: Optional[list] = None  # Megatron indexed-dataset prefixes (without .bin/.idx), or [w1, p1, w2, p2] to blend
@@ -75,17 +148,100 @@ class DatasetConfig:
     cache_dir: str = ".cache/tierstack"  # where the built-in corpus and dataset indices are cached
     num_workers: int = 0  # DataLoader workers per rank
 
+    def problems(self) -> list[str]:
+        p = []
+        try:
+            weights = [float(x) for x in self.split.split(",")]
+            if len(weights) != 3 or any(w < 0 for w in weights) or weights[0] <= 0:
+                raise ValueError
+        except ValueError:
+            p.append(f"dataset.split={self.split!r}: expected three non-negative weights 'train,valid,test'")
+        if self.data_path is not None and not self.mock:
+            try:
+                parse_data_path(self.data_path)
+            except (ValueError, FileNotFoundError) as exc:
+                p.append(str(exc))
+        return p
+
+
+def _as_weight(item: Any) -> Optional[float]:
+    """``item`` as a float if it is a number or a numeric string, else None."""
+    if isinstance(item, bool):
+        return None
+    if isinstance(item, (int, float)):
+        return float(item)
+    try:
+        return float(str(item))
+    except ValueError:
+        return None
+
+
+def parse_data_path(data_path: Any) -> tuple[list[str], Optional[list[float]]]:
+    """Split ``dataset.data_path`` into prefixes and optional blend weights (the one parser).
+
+    Accepts one prefix (str), a list of prefixes, or ``[w1, p1, w2, p2, ...]`` (weights first, as in
+    Megatron's ``--data-path``). A list is a blend only when it has even length and every other item,
+    from the first, is a number; any other list holding a number is refused (``[1, a, b]``).
+
+    Returns:
+        ``(prefixes, weights)``; weights is None for an unweighted list.
+
+    Raises:
+        ValueError: empty list, non-positive weight, or numbers mixed with prefixes.
+        FileNotFoundError: a prefix without ``.bin`` and ``.idx`` files.
+    """
+    items = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
+    if not items:
+        raise ValueError("dataset.data_path is an empty list; set it to prefixes or leave it None")
+    weighted = len(items) % 2 == 0 and all(_as_weight(w) is not None for w in items[0::2])
+    if weighted:
+        weights: Optional[list[float]] = [float(_as_weight(w)) for w in items[0::2]]  # type: ignore[arg-type]
+        prefixes = [str(p) for p in items[1::2]]
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"dataset.data_path weights must be > 0, got {weights}")
+    else:
+        if any(_as_weight(p) is not None for p in items):
+            raise ValueError(
+                f"dataset.data_path={items!r} mixes numbers and prefixes; use "
+                "[prefix, ...] or [weight1, prefix1, weight2, prefix2, ...]"
+            )
+        weights, prefixes = None, [str(p) for p in items]
+    for prefix in prefixes:
+        missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not Path(f"{prefix}{ext}").is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"dataset.data_path: {', '.join(f'{m} not found' for m in missing)} "
+                "(give prefixes without the extension; build them with `tierstack preprocess`)"
+            )
+    return prefixes, weights
+
 
 @dataclass(kw_only=True)
-class TokenizerConfig:
+class TokenizerConfig(_Section):
     """Tokenizer: byte-level (vocab 256 + end-of-document) or a local Hugging Face tokenizer.json."""
 
     tokenizer_type: str = "byte"  # "byte" or "huggingface"
     tokenizer_path: Optional[str] = None  # path to tokenizer.json when tokenizer_type == "huggingface"
 
+    def problems(self) -> list[str]:
+        if self.tokenizer_type not in TOKENIZER_TYPES:
+            return [f"tokenizer.tokenizer_type={self.tokenizer_type!r}: use 'byte' or 'huggingface'"]
+        if self.tokenizer_type == "huggingface":
+            if not self.tokenizer_path:
+                return ["tokenizer.tokenizer_path: required for tokenizer_type=huggingface (path to tokenizer.json)"]
+            if not tokenizer_file(self.tokenizer_path).is_file():
+                return [f"tokenizer.tokenizer_path={self.tokenizer_path!r}: no tokenizer.json found there"]
+        return []
+
+
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The ``tokenizer.json`` that ``tokenizer.tokenizer_path`` names: the file itself, or the one in a directory."""
+    file = Path(path).expanduser()
+    return file / "tokenizer.json" if file.is_dir() else file
+
 
 @dataclass(kw_only=True)
-class DistributedConfig:
+class DistributedConfig(_Section):
     """Parallel layout. Data-parallel size is world_size / (TP * PP)."""
 
     tensor_model_parallel_size: int = 1
@@ -93,9 +249,12 @@ class DistributedConfig:
     backend: Optional[str] = None  # None = nccl on GPU, gloo on CPU
     timeout_s: float = 600.0  # collective timeout in seconds
 
+    def problems(self) -> list[str]:
+        return _at_least("distributed", self, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     """Two checkpoint tiers. GLOBAL: persistent torch_dist; LOCAL: node-local per-rank (NVRx)."""
 
     save: Optional[str] = None  # GLOBAL checkpoint directory; None = no GLOBAL saves
@@ -122,23 +281,50 @@ class CheckpointConfig:
     retry_backoff_s: float = 1.0  # first backoff in seconds (exponential)
     exit_on_save_failure: bool = False  # stop training when a save fails on any rank
 
+    def problems(self) -> list[str]:
+        p = []
+        if self.save_interval is not None and self.save_interval < 1:
+            p.append("checkpoint.save_interval must be >= 1 or null")
+        if self.save_interval is not None and self.save is None:
+            p.append("checkpoint.save_interval is set but checkpoint.save (GLOBAL directory) is not")
+        if self.local_save_interval is not None and self.local_save_interval < 1:
+            p.append("checkpoint.local_save_interval must be >= 1 or null")
+        if self.local_save_interval is not None and self.local_dir is None:
+            p.append("checkpoint.local_save_interval is set but checkpoint.local_dir is not")
+        if self.most_recent_k == 0 or self.most_recent_k < -1:
+            p.append("checkpoint.most_recent_k must be >= 1, or -1 to keep all")
+        if self.ckpt_step is not None and self.ckpt_step < 0:
+            p.append("checkpoint.ckpt_step must be >= 0")
+        if self.save_retries < 1:
+            p.append("checkpoint.save_retries must be >= 1 (attempts, including the first)")
+        if self.retry_backoff_s < 0:
+            p.append("checkpoint.retry_backoff_s must be >= 0")
+        if self.pretrained_checkpoint is not None and not Path(self.pretrained_checkpoint).exists():
+            p.append(f"checkpoint.pretrained_checkpoint={self.pretrained_checkpoint}: not found")
+        if self.exit_on_missing_checkpoint and self.load is None and self.save is None and self.local_dir is None:
+            p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
+        return p
+
 
 @dataclass(kw_only=True)
-class LoggerConfig:
+class LoggerConfig(_Section):
     """Console progress and run directory."""
 
     run_dir: str = "runs/default"  # where logs, plots and the default mlflow store go
     log_interval: int = 10  # iterations between rank-0 log lines
     progress_bar: bool = True  # tqdm bar on rank 0
 
+    def problems(self) -> list[str]:
+        return _at_least("logger", self, ("log_interval",))
+
 
 @dataclass(kw_only=True)
-class RNGConfig:
+class RNGConfig(_Section):
     seed: int = 1234  # base seed; megatron-core offsets it per pipeline stage and TP rank
 
 
 @dataclass(kw_only=True)
-class StragglerConfig:
+class StragglerConfig(_Section):
     """NVRx straggler detection (``nvidia_resiliency_ext.straggler.Detector``)."""
 
     report_interval: int = 20  # iterations between reports
@@ -148,9 +334,17 @@ class StragglerConfig:
     stop_if_detected: bool = False  # save GLOBAL and exit when a straggler is found
     profiling_interval: int = 1  # profile every n-th step
 
+    def problems(self) -> list[str]:
+        p = _at_least("straggler", self, ("report_interval", "profiling_interval"))
+        # Scores are ratios in (0, 1] (nvidia-resiliency-ext): a threshold outside it cannot mean anything.
+        for name in ("relative_threshold", "individual_threshold"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                p.append(f"straggler.{name}={getattr(self, name)}: must be in (0, 1]")
+        return p
+
 
 @dataclass(kw_only=True)
-class MlflowConfig:
+class MlflowConfig(_Section):
     """mlflow tracking; only rank 0 talks to mlflow."""
 
     tracking_uri: Optional[str] = None  # None = sqlite store inside logger.run_dir

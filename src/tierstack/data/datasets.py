@@ -18,7 +18,6 @@ What megatron-core 0.16.1 does that callers should know:
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,60 +25,10 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from tierstack.config.sections import DatasetConfig
+from tierstack.config.sections import DatasetConfig, parse_data_path
 from tierstack.data.preprocess import ensure_stdlib_corpus
 
 logger = logging.getLogger(__name__)
-
-
-def _as_weight(item) -> Optional[float]:
-    """``item`` as a float if it is a number or a numeric string, else None."""
-    if isinstance(item, bool):
-        return None
-    if isinstance(item, (int, float)):
-        return float(item)
-    try:
-        return float(str(item))
-    except ValueError:
-        return None
-
-
-def parse_data_path(data_path) -> tuple[list[str], Optional[list[float]]]:
-    """Split ``dataset.data_path`` into prefixes and optional blend weights.
-
-    Accepts one prefix (str), a list of prefixes, or ``[w1, p1, w2, p2, ...]`` (weights first, as in
-    Megatron's ``--data-path``).
-
-    Returns:
-        ``(prefixes, weights)``; weights is None for an unweighted list.
-
-    Raises:
-        ValueError: empty list, non-positive weight, or a weight without a prefix.
-        FileNotFoundError: a prefix without ``.bin`` and ``.idx`` files.
-    """
-    items = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
-    if not items:
-        raise ValueError("dataset.data_path is an empty list; set it to prefixes or leave it None")
-    weighted = len(items) % 2 == 0 and all(_as_weight(w) is not None for w in items[0::2])
-    if weighted:
-        weights = [_as_weight(w) for w in items[0::2]]
-        prefixes = [str(p) for p in items[1::2]]
-        if any(w <= 0 for w in weights):
-            raise ValueError(f"dataset.data_path weights must be > 0, got {weights}")
-    else:
-        if any(_as_weight(p) is not None for p in items):
-            raise ValueError(
-                f"dataset.data_path={items!r} mixes numbers and prefixes; use "
-                "[prefix, ...] or [weight1, prefix1, weight2, prefix2, ...]"
-            )
-        weights, prefixes = None, [str(p) for p in items]
-    for prefix in prefixes:
-        if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
-            raise FileNotFoundError(
-                f"dataset.data_path: {prefix}.bin / {prefix}.idx not found "
-                "(give prefixes without the extension; build them with `tierstack preprocess`)"
-            )
-    return prefixes, weights
 
 
 def resolve_stdlib_corpus(cache_dir: str, tokenizer) -> str:

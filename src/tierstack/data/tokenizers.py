@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from tierstack.config.sections import TokenizerConfig
+from tierstack.config.sections import TokenizerConfig, tokenizer_file
 
 # Tried in this order when no end token is configured.
 COMMON_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -112,9 +112,7 @@ class HuggingFaceTokenizer:
     """
 
     def __init__(self, path: str | Path, eod_token: Optional[str] = None) -> None:
-        file = Path(path).expanduser()
-        if file.is_dir():
-            file = file / "tokenizer.json"
+        file = tokenizer_file(path)
         if not file.is_file():
             raise FileNotFoundError(
                 f"tokenizer.tokenizer_path={str(path)!r}: no tokenizer.json found there"
@@ -171,18 +169,11 @@ def build_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HuggingFaceTokenize
     ``cfg.eod_token`` is used when that field exists (it is optional; see HuggingFaceTokenizer).
 
     Raises:
-        ValueError: unknown ``tokenizer.tokenizer_type``, or ``huggingface`` without
+        ConfigError (a ValueError): the section's own rules (``TokenizerConfig.problems``): an
+            unknown ``tokenizer.tokenizer_type``, or ``huggingface`` without an existing
             ``tokenizer.tokenizer_path``.
     """
-    kind = cfg.tokenizer_type.lower()
-    if kind == "byte":
+    cfg.validate()
+    if cfg.tokenizer_type == "byte":
         return ByteTokenizer()
-    if kind in ("huggingface", "hf"):
-        if not cfg.tokenizer_path:
-            raise ValueError(
-                "tokenizer.tokenizer_type=huggingface needs tokenizer.tokenizer_path=<path to tokenizer.json>"
-            )
-        return HuggingFaceTokenizer(cfg.tokenizer_path, eod_token=getattr(cfg, "eod_token", None))
-    raise ValueError(
-        f"tokenizer.tokenizer_type={cfg.tokenizer_type!r} is not known; use 'byte' or 'huggingface'"
-    )
+    return HuggingFaceTokenizer(cfg.tokenizer_path, eod_token=getattr(cfg, "eod_token", None))

@@ -84,23 +84,15 @@ class StragglerMonitor:
         node_name: name of this node in reports; default ``socket.gethostname()``.
 
     Raises:
-        ValueError: ``report_interval`` or ``profiling_interval`` below 1, or a threshold outside (0, 1].
+        ConfigError (a ValueError): the section's own rules (``StragglerConfig.problems``): an
+            interval below 1, or a threshold outside (0, 1].
         RuntimeError: a Detector is already initialized in this process.
     """
 
     def __init__(self, cfg: StragglerConfig, layout: ParallelLayout, node_name: Optional[str] = None) -> None:
         from nvidia_resiliency_ext.straggler import Detector
 
-        problems = []
-        if cfg.report_interval < 1:
-            problems.append("straggler.report_interval must be >= 1 (iterations)")
-        if cfg.profiling_interval < 1:
-            problems.append("straggler.profiling_interval must be >= 1")
-        for name in ("relative_threshold", "individual_threshold"):
-            if not 0.0 < getattr(cfg, name) <= 1.0:
-                problems.append(f"straggler.{name} must be in (0, 1]")
-        if problems:
-            raise ValueError("; ".join(problems))
+        cfg.validate()
         if Detector.initialized:
             raise RuntimeError("a straggler Detector is already initialized in this process; close() it first")
 

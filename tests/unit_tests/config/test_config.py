@@ -87,3 +87,59 @@ def test_dict_round_trip_keeps_every_section():
     assert cfg.flat_params()["train.train_iters"] == 7
     with pytest.raises(ConfigError, match="unknown field"):
         ConfigContainer.from_dict({"train": {"iters": 3}})
+
+
+def test_every_problem_of_every_section_is_reported_once():
+    cfg = ConfigContainer().apply_overrides(["straggler.report_interval=0"])
+    cfg.model.num_layers = 0
+    cfg.optimizer.lr = -1.0
+    cfg.checkpoint.save_retries = 0
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(world_size=1)
+    assert len(err.value.problems) == 4
+    assert [p.split("=")[0].split(" ")[0] for p in err.value.problems] == [
+        "model.num_layers", "optimizer.lr", "checkpoint.save_retries", "straggler.report_interval"]
+
+
+def test_straggler_threshold_zero_is_refused_before_setup():
+    """One rule: what validate() accepts, the straggler monitor accepts (a 0 used to pass here)."""
+    from tierstack.config import StragglerConfig
+
+    cfg = ConfigContainer(straggler=StragglerConfig(relative_threshold=0.0))
+    with pytest.raises(ConfigError, match=r"straggler.relative_threshold=0.0: must be in \(0, 1\]"):
+        cfg.validate(world_size=1)
+    assert cfg.straggler.problems() == ["straggler.relative_threshold=0.0: must be in (0, 1]"]
+    ConfigContainer(straggler=StragglerConfig(relative_threshold=1.0)).validate(world_size=1)
+
+
+def test_data_path_blend_has_one_parser(tmp_path):
+    """An odd-length list with a leading number is refused (validate used to read [1, a, b] as a blend of a)."""
+    from tierstack.config.sections import parse_data_path
+    from tierstack.data import datasets
+
+    assert datasets.parse_data_path is parse_data_path
+    for name in ("a", "b"):
+        for ext in (".bin", ".idx"):
+            (tmp_path / f"{name}{ext}").write_bytes(b"")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    cfg = ConfigContainer()
+    cfg.dataset.data_path = [1, a, b]
+    with pytest.raises(ConfigError, match="dataset.data_path=.*mixes numbers and prefixes"):
+        cfg.validate(world_size=1)
+    cfg.dataset.data_path = [1, a, 3, b]
+    cfg.validate(world_size=1)
+    assert parse_data_path(cfg.dataset.data_path) == ([a, b], [1.0, 3.0])
+
+
+def test_tokenizer_type_has_one_rule(tmp_path):
+    """"hf" is refused by validate() and by the tokenizer builder alike (the builder used to accept it)."""
+    from tierstack.data.tokenizers import build_tokenizer
+
+    cfg = ConfigContainer()
+    cfg.tokenizer.tokenizer_type = "hf"
+    cfg.tokenizer.tokenizer_path = str(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="tokenizer.tokenizer_type='hf': use 'byte' or 'huggingface'") as by_config:
+        cfg.validate(world_size=1)
+    with pytest.raises(ConfigError) as by_builder:
+        build_tokenizer(cfg.tokenizer)
+    assert by_builder.value.problems == by_config.value.problems

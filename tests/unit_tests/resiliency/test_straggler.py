@@ -71,5 +71,5 @@ def test_cpu_shims_do_not_outlive_the_calls(monitor):
 
 
 def test_bad_config_names_the_fields():
-    with pytest.raises(ValueError, match="straggler.report_interval.*straggler.relative_threshold"):
+    with pytest.raises(ValueError, match=r"(?s)straggler.report_interval.*straggler.relative_threshold"):
         StragglerMonitor(StragglerConfig(report_interval=0, relative_threshold=1.5), LAYOUT)
