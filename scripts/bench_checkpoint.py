@@ -107,12 +107,14 @@ class Bench:
     def step(self) -> float:
         """One training step; returns its seconds (slowest rank)."""
         from tierstack.training.forward import gpt_forward_step
-        from tierstack.training.loop import train_step
+        from tierstack.training.loop import BatchShape, train_step
 
         o = self.objs
+        t = self.cfg.train
+        shape = BatchShape(micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                           seq_length=self.cfg.model.seq_length, data_parallel_size=self.layout.data_parallel_size)
         t0 = time.perf_counter()
-        train_step(gpt_forward_step, self.data, o.model, o.optimizer, o.scheduler, self.cfg,
-                   self.layout.data_parallel_size)
+        train_step(gpt_forward_step, self.data, o.model, o.optimizer, o.scheduler, shape)
         o.train_state.step += 1
         return max_over_ranks(time.perf_counter() - t0)
 

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from tierstack import platform
-from tierstack.config import ConfigContainer
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +35,31 @@ class StepResult:
     tokens: int
 
 
-def num_microbatches(cfg: ConfigContainer, data_parallel_size: int) -> int:
-    """Micro-batches per step on each data-parallel rank: global / (micro * DP)."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size)
+@dataclass(frozen=True)
+class BatchShape:
+    """The sizes a step needs, in samples and tokens (the config's numbers, nothing else).
+
+    Attributes:
+        micro_batch_size: samples per forward/backward on each data-parallel rank.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        seq_length: tokens per sample.
+        data_parallel_size: data-parallel ranks.
+    """
+
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    data_parallel_size: int
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel rank: global / (micro * DP)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one global batch."""
+        return self.global_batch_size * self.seq_length
 
 
 def reduce_loss_across_ranks(losses_reduced: list[dict]) -> float:
@@ -64,10 +85,9 @@ def train_step(
     model: list,
     optimizer,
     scheduler,
-    cfg: ConfigContainer,
-    data_parallel_size: int,
+    shape: BatchShape,
 ) -> StepResult:
-    """One optimizer step over a global batch.
+    """One optimizer step over a global batch of ``shape``.
 
     Raises:
         Whatever the forward step or megatron-core raise; the caller cleans up.
@@ -78,14 +98,13 @@ def train_step(
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    nmb = num_microbatches(cfg, data_parallel_size)
     losses = get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=model,
-        num_microbatches=nmb,
-        seq_length=cfg.model.seq_length,
-        micro_batch_size=cfg.train.micro_batch_size,
+        num_microbatches=shape.num_microbatches,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
         forward_only=False,
     )
     update_successful, grad_norm, _ = optimizer.step()
@@ -98,7 +117,7 @@ def train_step(
         grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
         update_successful=bool(update_successful),
         seconds=time.perf_counter() - start,
-        tokens=cfg.train.global_batch_size * cfg.model.seq_length,
+        tokens=shape.tokens,
     )
 
 
@@ -107,24 +126,24 @@ def evaluate(
     forward_step_func: Callable,
     data_iterator: Iterator,
     model: list,
-    cfg: ConfigContainer,
-    data_parallel_size: int,
+    shape: BatchShape,
+    eval_iters: int,
 ) -> float:
-    """Mean per-token validation loss over ``train.eval_iters`` global batches (same on all ranks)."""
+    """Mean per-token validation loss over ``eval_iters`` global batches of ``shape`` (same on all ranks)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float64)
     try:
-        for _ in range(cfg.train.eval_iters):
+        for _ in range(eval_iters):
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,
                 model=model,
-                num_microbatches=num_microbatches(cfg, data_parallel_size),
-                seq_length=cfg.model.seq_length,
-                micro_batch_size=cfg.train.micro_batch_size,
+                num_microbatches=shape.num_microbatches,
+                seq_length=shape.seq_length,
+                micro_batch_size=shape.micro_batch_size,
                 forward_only=True,
             )
             from megatron.core import parallel_state as ps
@@ -140,13 +159,14 @@ def evaluate(
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
-def model_flops_per_iteration(cfg: ConfigContainer, vocab_size: int) -> float:
+def model_flops_per_iteration(
+    *, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int
+) -> float:
     """Model FLOPs of one training iteration (forward + backward, no recomputation).
 
     Formula from Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
     Clusters" (eq. 3): ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))`` with B the global batch, s the
     sequence length, l layers, h hidden size, V the (padded) vocabulary. It assumes an MLP of 4h.
     """
-    m = cfg.model
-    b, s, l, h = cfg.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
+    b, s, l, h = global_batch_size, seq_length, num_layers, hidden_size
     return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + vocab_size / (12.0 * h * l))

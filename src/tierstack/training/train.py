@@ -6,7 +6,7 @@ import logging
 import math
 from typing import Callable, Optional
 
-from tierstack.training.loop import evaluate, model_flops_per_iteration, train_step
+from tierstack.training.loop import BatchShape, evaluate, model_flops_per_iteration, train_step
 from tierstack.training.setup import SetupOutput
 from tierstack.training.state import TrainState
 
@@ -62,19 +62,24 @@ def train(
         # The whole step ends in a gradient all-reduce where a fast rank waits for a slow one, so
         # step time alone hides a straggler on CPU; the forward step has no such wait.
         step_forward = s.straggler.wrap_forward_step(forward_step_func)
-    flops_per_iter = model_flops_per_iteration(cfg, s.padded_vocab_size)
+    m = cfg.model
+    flops_per_iter = model_flops_per_iteration(
+        global_batch_size=cfg.train.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
+        hidden_size=m.hidden_size, vocab_size=s.padded_vocab_size,
+    )
+    shape = batch_shape(s)
     window = _ThroughputWindow()
     start_step = ts.step
     stop: Optional[str] = None
     while ts.step < cfg.train.train_iters:
-        result = _run_step(s, step_forward)
+        result = _run_step(s, step_forward, shape)
         _count(ts, cfg, result, flops_per_iter)
         if on_step is not None:
             on_step(ts, result)
         window.add(result)
         metrics = {"loss": result.loss, "lr": _current_lr(s.optimizer), "grad_norm": result.grad_norm}
         if cfg.train.eval_interval and s.valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
-            metrics["val_loss"] = evaluate(forward_step_func, s.valid_data_iterator, s.model, cfg, s.layout.data_parallel_size)
+            metrics["val_loss"] = evaluate(forward_step_func, s.valid_data_iterator, s.model, shape, cfg.train.eval_iters)
             ts.consumed_valid_samples += cfg.train.eval_iters * cfg.train.global_batch_size
         straggler_stop = _straggler_report(s, ts.step, metrics)
         first_of_run = ts.step == start_step + 1  # shows where a run (or a resume) starts
@@ -115,8 +120,19 @@ class _ThroughputWindow:
         return out
 
 
-def _run_step(s: SetupOutput, forward_step_func: Callable):
-    args = (forward_step_func, s.train_data_iterator, s.model, s.optimizer, s.scheduler, s.config, s.layout.data_parallel_size)
+def batch_shape(s: SetupOutput) -> BatchShape:
+    """The step sizes of this run: the train section's batch sizes, the model's sequence length, DP."""
+    t = s.config.train
+    return BatchShape(
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        seq_length=s.config.model.seq_length,
+        data_parallel_size=s.layout.data_parallel_size,
+    )
+
+
+def _run_step(s: SetupOutput, forward_step_func: Callable, shape: BatchShape):
+    args = (forward_step_func, s.train_data_iterator, s.model, s.optimizer, s.scheduler, shape)
     if s.straggler is None:
         return train_step(*args)
     with s.straggler.step_section():
