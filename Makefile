@@ -10,7 +10,7 @@ venv:
 
 ## Main job: gpt_tiny on the Python standard library sources, TP=2 on 2 ranks, LOCAL + GLOBAL checkpoints.
 pretrain: venv
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) recipes/gpt_tiny.py $(ARGS)
+	$(VENV)/bin/tierstack pretrain gpt_tiny --nproc-per-node $(NPROC) $(ARGS)
 
 ## All tests, multi-rank torchrun scenarios included.
 test: venv

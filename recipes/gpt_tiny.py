@@ -1,28 +1,11 @@
-"""GPT tiny: 4 layers, hidden 256, 8 heads, sequence 256, byte tokenizer, TP=2 on 2 ranks.
+"""GPT tiny (the main job): 4 layers, hidden 256, 8 heads, sequence 256, byte tokenizer, TP=2 on 2 ranks.
 
-Run: ``torchrun --nproc-per-node 2 recipes/gpt_tiny.py [section.field=value ...]``.
-The default corpus is the Python standard library's sources (preprocessed once, cached).
+Run: ``python recipes/gpt_tiny.py --nproc-per-node 2 [section.field=value ...]`` (validates, then
+launches the ranks), or ``torchrun --nproc-per-node 2 recipes/gpt_tiny.py [section.field=value ...]``.
+The config is :func:`tierstack.recipes.gpt_tiny.gpt_tiny_config`, the same as ``tierstack pretrain gpt_tiny``.
 """
 
-from tierstack.config import ConfigContainer
-from tierstack.recipes import gpt_config, run
-
-
-def gpt_tiny_config() -> ConfigContainer:
-    """The main job's config: about 4-5 minutes on 2 CPU cores."""
-    return gpt_config(
-        "gpt_tiny",
-        num_layers=4,
-        hidden_size=256,
-        num_attention_heads=8,
-        seq_length=256,
-        train_iters=200,
-        micro_batch_size=8,
-        global_batch_size=8,
-        lr=3e-3,
-        tensor_model_parallel_size=2,
-    )
-
+from tierstack.recipes import gpt_tiny_config, run
 
 if __name__ == "__main__":
     raise SystemExit(run(gpt_tiny_config))

@@ -48,9 +48,8 @@ _CHUNK = 64 << 20
 
 # ---------------------------------------------------------------------------------------------- setup
 def bench_config(scale: str, root: Path):
-    """The default recipe (``recipes/gpt_tiny.py``), or it widened until one rank holds >= 1 GiB."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-    from gpt_tiny import gpt_tiny_config
+    """The default recipe (``tierstack.recipes.gpt_tiny``), or it widened until one rank holds >= 1 GiB."""
+    from tierstack.recipes import gpt_tiny_config
 
     cfg = gpt_tiny_config()
     if scale == "1gib":

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,8 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-    from gpt_tiny import gpt_tiny_config
+    from tierstack.recipes import gpt_tiny_config
 
     from tierstack import platform
     from tierstack.models.gpt import gpt_model_provider

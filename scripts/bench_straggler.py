@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,8 +23,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20, help="steps of each kind (interleaved)")
     ap.add_argument("--report-interval", type=int, default=5, help="detector steps between reports")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-    from gpt_tiny import gpt_tiny_config
+    from tierstack.recipes import gpt_tiny_config
 
     from tierstack import platform
     from tierstack.config.sections import StragglerConfig

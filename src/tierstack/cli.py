@@ -1,7 +1,9 @@
 """The ``tierstack`` command: ``pretrain``, ``preprocess``, ``checkpoints ls|verify``.
 
-``tierstack pretrain`` runs the gpt_tiny recipe in this process; launch it under torchrun for
-several ranks (``torchrun --nproc-per-node 2 -m tierstack.cli pretrain key=value ...``).
+``tierstack pretrain [RECIPE] [--nproc-per-node N] [section.field=value ...]`` runs a recipe by name
+(``gpt_tiny`` by default, the same function as ``recipes/gpt_tiny.py``) or from a recipe file. With
+``--nproc-per-node`` it validates the config, then launches the ranks; under torchrun
+(``torchrun --nproc-per-node 2 -m tierstack.cli pretrain gpt_tiny ...``) each rank runs it.
 """
 
 from __future__ import annotations
@@ -9,36 +11,45 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
-def _cmd_pretrain(args: argparse.Namespace) -> int:
+def _file_recipe(path_text: str) -> Optional[Callable]:
+    """The one ``*_config()`` function a recipe file defines, or None (the reason printed)."""
     import runpy
     from pathlib import Path
 
-    from tierstack.recipes import run
+    path = Path(path_text)
+    if not path.is_file():
+        print(f"tierstack pretrain: recipe file {path} not found", file=sys.stderr)
+        return None
+    namespace = runpy.run_path(str(path), run_name="tierstack_recipe")
+    fns = {v for k, v in namespace.items() if k.endswith("_config") and callable(v) and k != "gpt_config"}
+    if len(fns) != 1:
+        print(f"tierstack pretrain: {path} must define exactly one *_config() function", file=sys.stderr)
+        return None
+    return fns.pop()
 
-    if args.recipe:
-        path = Path(args.recipe)
-        if not path.is_file():
-            print(f"tierstack pretrain: recipe file {path} not found", file=sys.stderr)
+
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    from tierstack.recipes import DEFAULT_RECIPE, RECIPES, run
+
+    # --nproc-per-node may come before the recipe (parsed by argparse) or after it (in items).
+    launcher = argparse.ArgumentParser(prog="tierstack pretrain", add_help=False)
+    launcher.add_argument("--nproc-per-node", type=int, default=args.nproc_per_node)
+    known, items = launcher.parse_known_args(args.items)
+    name = items.pop(0) if items and "=" not in items[0] and not items[0].startswith("-") else DEFAULT_RECIPE
+    if name.endswith(".py"):
+        config_fn = _file_recipe(name)
+        if config_fn is None:
             return 2
-        namespace = runpy.run_path(str(path), run_name="tierstack_recipe")
-        fns = [v for k, v in namespace.items() if k.endswith("_config") and callable(v) and k != "gpt_config"]
-        if len(fns) != 1:
-            print(f"tierstack pretrain: {path} must define exactly one *_config() function", file=sys.stderr)
-            return 2
-        config_fn = fns[0]
+    elif name in RECIPES:
+        config_fn = RECIPES[name]
     else:
-        from tierstack.recipes import gpt_config
-
-        def config_fn():
-            return gpt_config(
-                "gpt_tiny", num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256,
-                train_iters=200, micro_batch_size=8, global_batch_size=8, lr=3e-3,
-            )
-
-    return run(config_fn, args.overrides)
+        print(f"tierstack pretrain: unknown recipe {name!r}; known: {', '.join(RECIPES)} (or a .py file)", file=sys.stderr)
+        return 2
+    launch_args = [] if known.nproc_per_node is None else ["--nproc-per-node", str(known.nproc_per_node)]
+    return run(config_fn, [*launch_args, *items], rank_command=["-m", "tierstack.cli", "pretrain", name])
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
@@ -73,9 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierstack", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    pt = sub.add_parser("pretrain", help="pretrain (gpt_tiny recipe unless --recipe is given)")
-    pt.add_argument("--recipe", help="a recipe file defining one *_config() function")
-    pt.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    pt = sub.add_parser(
+        "pretrain", help="pretrain with a recipe (gpt_tiny unless named)",
+        description="tierstack pretrain [RECIPE] [--nproc-per-node N] [section.field=value ...]: RECIPE is a "
+        "name (gpt_tiny, gpt_small) or a .py file; --nproc-per-node validates the config, then launches "
+        "N ranks on this machine (leave it out under torchrun).",
+    )
+    pt.add_argument("--nproc-per-node", type=int, default=None, help="validate, then launch N ranks here")
+    pt.add_argument("items", nargs=argparse.REMAINDER, metavar="[RECIPE] [--nproc-per-node N] section.field=value")
     pt.set_defaults(func=_cmd_pretrain)
 
     pp = sub.add_parser("preprocess", help="text / JSONL files -> Megatron indexed dataset (.bin/.idx)")

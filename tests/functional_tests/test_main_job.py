@@ -1,15 +1,17 @@
 """The README's main job: both tiers on by default, a second launch resumes, `checkpoints ls` shows it."""
 
+import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "recipes"))
+from tierstack.recipes import DEFAULT_RECIPE, RECIPES, gpt_tiny_config
 
-from gpt_tiny import gpt_tiny_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+TIERSTACK = Path(sys.executable).with_name("tierstack")
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
          "train.micro_batch_size=4", "train.global_batch_size=4", "train.eval_interval=4", "train.eval_iters=1",
@@ -26,13 +28,24 @@ def test_main_job_config_uses_both_tiers_local_more_often():
     cfg.validate(world_size=2)
 
 
+def test_cli_default_recipe_and_the_recipe_file_are_one_function():
+    """`tierstack pretrain` (no name), `tierstack pretrain gpt_tiny` and recipes/gpt_tiny.py: one config."""
+    assert RECIPES[DEFAULT_RECIPE] is gpt_tiny_config
+    namespace = runpy.run_path(str(REPO / "recipes" / "gpt_tiny.py"), run_name="not_main")
+    assert namespace["gpt_tiny_config"] is gpt_tiny_config
+    assert runpy.run_path(str(REPO / "recipes" / "gpt_small.py"), run_name="not_main")["gpt_small_config"] is RECIPES["gpt_small"]
+
+
 @pytest.mark.slow
 def test_second_launch_resumes_where_the_first_stopped(tmp_path, torchrun):
     recipe = REPO / "recipes" / "gpt_tiny.py"
     run_dir = tmp_path / "gpt_tiny"
     common = [*SMALL, f"logger.run_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints",
               f"checkpoint.local_dir={run_dir}/local", f"dataset.cache_dir={tmp_path}/cache"]
-    first = torchrun([recipe, *common, "train.train_iters=8"], timeout=300)
+    # first launch as `make pretrain` does (the CLI validates, then starts the ranks); second by torchrun
+    first = subprocess.run([TIERSTACK, "pretrain", "gpt_tiny", "--nproc-per-node", "2", *common, "train.train_iters=8"],
+                           capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert first.returncode == 0, first.stderr[-4000:]
     assert "starting a fresh run" in first.stderr
     second = torchrun([recipe, *common, "train.train_iters=12"], timeout=300)
@@ -50,9 +63,7 @@ def test_second_launch_resumes_where_the_first_stopped(tmp_path, torchrun):
 
 
 def test_other_sizes_come_from_the_same_base():
-    from gpt_small import gpt_small_config
-
-    small, tiny = gpt_small_config(), gpt_tiny_config()
+    small, tiny = RECIPES["gpt_small"](), gpt_tiny_config()
     small.validate(world_size=8)
     assert (small.model.num_layers, small.model.hidden_size) == (12, 768)
     assert small.checkpoint.local_dir and small.checkpoint.save  # both tiers, as in every recipe

@@ -129,7 +129,10 @@ class ConfigContainer:
         for section in self.sections().values():
             p += section.problems()
         # The parallel rules divide by sizes: they run once those sizes are known to be >= 1.
-        if not (self.model.problems() or self.train.problems() or self.distributed.problems()):
+        m, t, d = self.model, self.train, self.distributed
+        sizes = (m.num_attention_heads, m.num_layers, t.micro_batch_size, t.global_batch_size,
+                 d.tensor_model_parallel_size, d.pipeline_model_parallel_size)
+        if min(sizes) >= 1:
             p += self._validate_parallel(world_size)
         if p:
             raise ConfigError(p)

@@ -1,21 +1,12 @@
-"""Shared recipe base: a recipe is a function returning a :class:`ConfigContainer`.
-
-A recipe file (``recipes/gpt_tiny.py``) defines its config function from :func:`gpt_config` and
-calls :func:`run` under ``if __name__ == "__main__":``, so it is runnable as
-``torchrun --nproc-per-node 2 recipes/gpt_tiny.py section.field=value ...``.
-"""
+"""The shared recipe base: :func:`gpt_config`, from which every GPT recipe derives its config."""
 
 from __future__ import annotations
 
-import logging
-import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 from tierstack.config import (
     CheckpointConfig,
     ConfigContainer,
-    ConfigError,
     DistributedConfig,
     LoggerConfig,
     MlflowConfig,
@@ -82,26 +73,3 @@ def gpt_config(
         straggler=StragglerConfig(report_interval=max(1, train_iters // 4)),
         mlflow=MlflowConfig(experiment_name="tierstack", run_name=name),
     )
-
-
-def run(config_fn: Callable[[], ConfigContainer], argv: Optional[Sequence[str]] = None) -> int:
-    """Build the recipe's config, apply ``section.field=value`` overrides, and pretrain.
-
-    Returns a process exit status: 0 on success, 2 on a config error (printed once, on rank 0,
-    before any work starts).
-    """
-    import os
-
-    from tierstack import pretrain
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        config = config_fn().apply_overrides(argv)
-        config.validate(int(os.environ.get("WORLD_SIZE", "1")))
-    except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            logging.basicConfig(level=logging.INFO, format="%(message)s")
-            logging.getLogger("tierstack").error("%s", exc)
-        return 2
-    pretrain(config)
-    return 0

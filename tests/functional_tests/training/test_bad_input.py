@@ -44,8 +44,25 @@ def test_global_batch_that_does_not_divide_is_refused():
     assert "train.global_batch_size=12 is not divisible by train.micro_batch_size" in proc.stderr
 
 
+def test_launcher_refuses_before_any_rank_with_status_2(tmp_path):
+    """`tierstack pretrain --nproc-per-node 2` validates for 2 ranks first: the error alone, exit 2."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierstack.cli", "pretrain", "gpt_tiny", "--nproc-per-node", "2",
+         "model.num_attention_heads=3", "model.hidden_size=264", f"logger.run_dir={tmp_path}/run"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "invalid configuration (1 problem(s)):",
+        "  - model.num_attention_heads=3 is not divisible by distributed.tensor_model_parallel_size=2",
+    ]
+    assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_refusal(tmp_path, torchrun):
+    """Under a plain torchrun each rank refuses (exit 2, said once); torchrun then reports the failed ranks."""
     proc = torchrun(
         [RECIPE, "model.num_attention_heads=3", "model.hidden_size=264", f"logger.run_dir={tmp_path}/run"], timeout=120
     )

@@ -1,0 +1,112 @@
+"""Run a recipe: apply overrides, validate before any rank starts, then pretrain or launch the ranks.
+
+Two ways in, one code path:
+
+- under torchrun (``torchrun --nproc-per-node 2 recipes/gpt_tiny.py k=v``), each rank validates and
+  trains; a config error is printed once (rank 0) and every rank exits 2. torchrun itself then
+  reports the failed ranks (its ``ChildFailedError``): a launcher cannot be told that a child's
+  exit was a clean refusal;
+- with ``--nproc-per-node N`` and no torchrun around (``tierstack pretrain gpt_tiny --nproc-per-node 2``,
+  ``python recipes/gpt_tiny.py --nproc-per-node 2``), this process validates the config for a world
+  of N ranks first: a config error ends here with the error alone and exit status 2, before any rank
+  exists; a valid config is handed to torchrun's own launcher (standalone rendezvous on a free port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+from tierstack.config import ConfigContainer, ConfigError
+
+log = logging.getLogger("tierstack")
+
+CONFIG_ERROR_STATUS = 2  # the exit status of a refused config (argparse's, for the same kind of mistake)
+
+
+def under_torchrun() -> bool:
+    """True in a rank process started by torchrun (it sets ``TORCHELASTIC_RUN_ID`` and ``LOCAL_RANK``)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _report(message: str) -> None:
+    """Print a refusal once: on rank 0 (or in a process that is not a rank)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        log.error("%s", message)
+
+
+def run(
+    config_fn: Callable[[], ConfigContainer],
+    argv: Optional[Sequence[str]] = None,
+    *,
+    rank_command: Optional[Sequence[str]] = None,
+) -> int:
+    """Build the recipe's config, apply ``section.field=value`` overrides, validate, and pretrain.
+
+    Args:
+        config_fn: the recipe (a function returning a config).
+        argv: ``[--nproc-per-node N] section.field=value ...``; default ``sys.argv[1:]``.
+        rank_command: what each rank runs when this process launches them (torchrun's program and
+            its arguments, before the overrides); default ``[sys.argv[0]]``, the recipe file.
+
+    Returns:
+        A process exit status: 0 on success; 2 on a config error (printed once, before any work
+        starts); with ``--nproc-per-node``, the launch's status (see :func:`launch`).
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", type=int, default=None)
+    known, overrides = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    nproc = known.nproc_per_node
+    if nproc is not None and (nproc < 1 or under_torchrun()):
+        _report(f"--nproc-per-node={nproc}: give a number >= 1, and only outside torchrun (torchrun sets the ranks)")
+        return CONFIG_ERROR_STATUS
+    world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = config_fn().apply_overrides(overrides)
+        config.validate(world_size)
+    except ConfigError as exc:
+        _report(str(exc))
+        return CONFIG_ERROR_STATUS
+    if nproc is not None:
+        return launch([*(rank_command or [sys.argv[0]]), *overrides], nproc_per_node=nproc)
+    from tierstack import pretrain
+
+    pretrain(config)
+    return 0
+
+
+def launch(command: Sequence[str], *, nproc_per_node: int) -> int:
+    """Start ``nproc_per_node`` ranks of ``command`` on this machine with torchrun's own launcher.
+
+    The rendezvous is torchrun's ``--standalone`` one (a c10d store on a port the OS picks at bind
+    time). ``OMP_NUM_THREADS`` defaults to 1, the value torchrun itself sets for several ranks per
+    node (so the numbers are the same as a plain torchrun launch; set it to change that).
+
+    Args:
+        command: the program and its arguments, as after ``torchrun [options]`` (``["-m",
+            "tierstack.cli", "pretrain", "gpt_tiny", ...]`` or ``["recipes/gpt_tiny.py", ...]``).
+        nproc_per_node: ranks to start.
+
+    Returns:
+        0 when every rank succeeded; else the first failed rank's exit status (1 for a signal),
+        after torchrun's report of the failure.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed").setLevel(logging.WARNING)  # its rendezvous INFO lines
+    args = parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), *command])
+    try:
+        torchrun(args)
+    except ChildFailedError as exc:
+        print(str(exc), file=sys.stderr)
+        _, failure = exc.get_first_failure()
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
