@@ -119,7 +119,7 @@ class Bench:
 
 
 def build(cfg, root: Path) -> Bench:
-    from tierstack import platform
+    from tierstack import runtime
     from tierstack.checkpointing import TrainingObjects
     from tierstack.data.tokenizers import build_tokenizer
     from tierstack.models.gpt import gpt_model_provider
@@ -127,7 +127,7 @@ def build(cfg, root: Path) -> Bench:
     from tierstack.training.state import TrainState
 
     d = cfg.distributed
-    layout = platform.initialize_distributed(tensor_model_parallel_size=d.tensor_model_parallel_size,
+    layout = runtime.initialize_distributed(tensor_model_parallel_size=d.tensor_model_parallel_size,
                                              pipeline_model_parallel_size=d.pipeline_model_parallel_size,
                                              seed=cfg.rng.seed)
     vocab = build_tokenizer(cfg.tokenizer).vocab_size
@@ -606,9 +606,9 @@ def main() -> int:
     if rank() == 0:
         print(f"\nwall time of the whole benchmark: {time.perf_counter() - t_start:.0f} s")
     remove(root)
-    from tierstack import platform
+    from tierstack import runtime
 
-    platform.destroy_distributed()
+    runtime.destroy_distributed()
     return 0
 
 

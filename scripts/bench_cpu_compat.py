@@ -33,16 +33,16 @@ def main() -> int:
     args = ap.parse_args()
     from tierstack.recipes import gpt_tiny_config
 
-    from tierstack import platform
+    from tierstack import runtime
     from tierstack.models.gpt import gpt_model_provider
-    from tierstack.platform import cpu_compat
+    from tierstack.runtime import cpu_compat
 
-    if platform.has_gpu():
+    if runtime.has_gpu():
         print("CUDA is available: the CPU compatibility layer is not used on this machine.")
         return 0
     cfg = gpt_tiny_config()
     cfg.distributed.tensor_model_parallel_size = 1
-    platform.initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1)
+    runtime.initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1)
     model = gpt_model_provider(cfg, 257)()
     mb, s = cfg.train.micro_batch_size, cfg.model.seq_length
     tokens = torch.randint(0, 257, (mb, s))
@@ -70,7 +70,7 @@ def main() -> int:
     print(f"median step time with the CPU layer:    {a * 1000:8.1f} ms (min {min(with_mode)*1000:.1f}, max {max(with_mode)*1000:.1f})")
     print(f"median step time without the CPU layer: {b * 1000:8.1f} ms (min {min(without)*1000:.1f}, max {max(without)*1000:.1f})")
     print(f"ratio with/without: {a / b:.4f}  (overhead {100 * (a / b - 1):+.2f}%)")
-    platform.destroy_distributed()
+    runtime.destroy_distributed()
     return 0
 
 

@@ -25,19 +25,19 @@ def main() -> int:
     args = ap.parse_args()
     from tierstack.recipes import gpt_tiny_config
 
-    from tierstack import platform
+    from tierstack import runtime
     from tierstack.config.sections import StragglerConfig
     from tierstack.models.gpt import gpt_model_provider
     from tierstack.resiliency.straggler import StragglerMonitor
 
     cfg = gpt_tiny_config()
     cfg.distributed.tensor_model_parallel_size = 1
-    layout = platform.initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1)
+    layout = runtime.initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seed=1)
     model = gpt_model_provider(cfg, 257)()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     mb, s = cfg.train.micro_batch_size, cfg.model.seq_length
-    tokens = torch.randint(0, 257, (mb, s), device=platform.device())
-    pos = torch.arange(s, device=platform.device()).unsqueeze(0).expand(mb, -1)
+    tokens = torch.randint(0, 257, (mb, s), device=runtime.device())
+    pos = torch.arange(s, device=runtime.device()).unsqueeze(0).expand(mb, -1)
 
     def forward():
         return model(tokens, pos, None, labels=tokens).float().mean()
@@ -47,7 +47,7 @@ def main() -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        platform.synchronize()
+        runtime.synchronize()
 
     monitor = StragglerMonitor(
         StragglerConfig(report_interval=args.report_interval, relative_threshold=0.01, individual_threshold=0.01),
@@ -76,14 +76,14 @@ def main() -> int:
     a, b = statistics.median(with_det), statistics.median(without)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731 - the report steps are outliers by design
     print(f"gpt_tiny at TP=1, micro-batch {mb} x {s} tokens, {args.reps} steps each, interleaved, "
-          f"{'CUDA kernel profiling' if platform.has_gpu() else 'CPU: section timing only'}")
+          f"{'CUDA kernel profiling' if runtime.has_gpu() else 'CPU: section timing only'}")
     print(f"median step time with the detector:    {a * 1000:8.1f} ms (mean {mean(with_det) * 1000:.1f})")
     print(f"median step time without the detector: {b * 1000:8.1f} ms (mean {mean(without) * 1000:.1f})")
     print(f"ratio with/without (median): {a / b:.4f}  (overhead {100 * (a / b - 1):+.2f}%); "
           f"mean ratio {mean(with_det) / mean(without):.4f}")
     if report_s:
         print(f"one report (every {args.report_interval} steps): {mean(report_s) * 1000:.2f} ms on average")
-    platform.destroy_distributed()
+    runtime.destroy_distributed()
     return 0
 
 

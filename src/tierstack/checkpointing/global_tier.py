@@ -25,12 +25,13 @@ from typing import Callable, Optional
 
 import torch
 
-from tierstack.checkpointing import _dist, global_writer, layout, manifest, retention, retry
+from tierstack.checkpointing import global_writer, layout, manifest, retention, retry
+from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import Stager
 from tierstack.checkpointing.types import Candidate, CheckpointTier, SaveEvent, TrainingObjects
 from tierstack.config import ConfigContainer
-from tierstack.platform import ParallelLayout
+from tierstack.runtime import ParallelLayout
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from tierstack.checkpointing import _dist, layout, local_file, manifest, retention, retry
+from tierstack.checkpointing import layout, local_file, manifest, retention, retry
+from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import Stager
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import ConfigContainer
-from tierstack.platform import ParallelLayout
+from tierstack.runtime import ParallelLayout
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,13 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from tierstack.checkpointing import _dist, layout, preflight, selection
+from tierstack.checkpointing import layout, preflight, selection
+from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.global_tier import CheckpointLoadError, GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import CheckpointTier, ResumeInfo, SaveEvent, TrainingObjects
 from tierstack.config import ConfigContainer
-from tierstack.platform import ParallelLayout
+from tierstack.runtime import ParallelLayout
 
 log = logging.getLogger(__name__)
 

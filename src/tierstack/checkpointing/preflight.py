@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-from tierstack.checkpointing import _dist
+from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 

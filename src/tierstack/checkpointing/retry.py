@@ -13,7 +13,7 @@ from typing import Callable, Optional, TypeVar
 
 import tenacity
 
-from tierstack.checkpointing import _dist
+from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tierstack.checkpointing import _dist, layout
+from tierstack.checkpointing import layout
+from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.types import Candidate, CheckpointTier, CheckpointTierHandler
 
 log = logging.getLogger(__name__)

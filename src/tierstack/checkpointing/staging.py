@@ -4,7 +4,7 @@ One :class:`Stager` per tier moves a checkpoint's bytes off the training loop:
 
 1. :meth:`Stager.stage` copies the state's tensors into host buffers allocated at the first save
    with the state's shapes and dtypes and refilled with ``copy_`` at every later one (pinned, with
-   the device-to-host copies on a side stream, on GPU: see :mod:`tierstack.platform.host_copy`).
+   the device-to-host copies on a side stream, on GPU: see :mod:`tierstack.runtime.host_copy`).
    On CPU too the copy is made, also for tensors already on the host: it is the only thing that
    separates what is written from what the next optimizer step changes in place.
 2. :meth:`Stager.submit` hands a job that reads those buffers to one persistent writer thread.
@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from tierstack import platform
+from tierstack import runtime
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,12 @@ class Stager:
             if self._signature is not None:
                 log.info("%s staging: the state's shapes changed; reallocating the buffers", self.name)
             self._buffers = []  # drop the old ones before allocating the new
-            self._buffers = [platform.empty_host_buffer(t) for t in tensors]
+            self._buffers = [runtime.empty_host_buffer(t) for t in tensors]
             self._signature = signature
             self.allocations += 1
             log.info("%s staging: %d buffers, %.3f GiB of host memory", self.name, len(self._buffers),
                      self.nbytes / 2**30)
-        platform.copy_to_host(self._buffers, tensors)
+        runtime.copy_to_host(self._buffers, tensors)
         return list(self._buffers)
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tierstack import platform
+from tierstack import runtime
 from tierstack.checkpointing.types import TrainingObjects
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def build(objs: TrainingObjects, *, is_loading: bool, optim: bool, rng: bool) ->
         sd[OPTIMIZER] = objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
     if rng:
         ws = torch.distributed.get_world_size()
-        sd[RNG] = rng_object(ws, torch.distributed.get_rank(), platform.get_rng_state() if not is_loading else None)
+        sd[RNG] = rng_object(ws, torch.distributed.get_rank(), runtime.get_rng_state() if not is_loading else None)
     return sd
 
 
@@ -95,7 +95,7 @@ def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> Non
     objs.scheduler.load_state_dict(loaded[SCHEDULER])
     objs.train_state.load_state_dict(loaded[TRAIN_STATE])
     if rng and loaded.get(RNG) is not None:
-        platform.set_rng_state(loaded[RNG])
+        runtime.set_rng_state(loaded[RNG])
 
 
 def _restore_per_param_adam_steps(optimizer: Any) -> None:

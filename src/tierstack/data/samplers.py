@@ -110,7 +110,7 @@ def build_data_iterator(
         dataset: map-style dataset (e.g. GPTDataset); None (not built on this rank) gives None.
         consumed_samples, micro_batch_size, dp_rank, dp_size: see :class:`PretrainingSampler`.
         num_workers: DataLoader worker processes (0 = load in the training process).
-        pin_memory: pin host memory (pass True only on GPU; the platform layer knows).
+        pin_memory: pin host memory (pass True only on GPU; ``tierstack.runtime`` knows).
 
     Returns:
         an iterator of collated batches, for GPTDataset a dict of ``[micro_batch_size, seq_length]``

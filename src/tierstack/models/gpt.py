@@ -35,7 +35,7 @@ def build_transformer_config(cfg: ConfigContainer):
     """megatron-core ``TransformerConfig`` from the model, distributed and train sections."""
     from megatron.core.transformer import TransformerConfig
 
-    from tierstack import platform
+    from tierstack import runtime
 
     m = cfg.model
     dtype = torch.bfloat16 if m.bf16 else torch.float32
@@ -61,7 +61,7 @@ def build_transformer_config(cfg: ConfigContainer):
         bias_dropout_fusion=False,
         use_cpu_initialization=False,
         sequence_parallel=False,
-        deallocate_pipeline_outputs=platform.has_gpu(),
+        deallocate_pipeline_outputs=runtime.has_gpu(),
     )
 
 
@@ -77,10 +77,10 @@ def _layer_spec(cfg: ConfigContainer):
             "model.transformer_impl=transformer_engine but transformer-engine is not importable; "
             "install the GPU extra (`pip install 'tierstack[gpu]'`) or set model.transformer_impl=local"
         )
-    from tierstack import platform
+    from tierstack import runtime
 
     use_te = impl == "transformer_engine" or (
-        impl == "auto" and platform.has_gpu() and transformer_engine_available()
+        impl == "auto" and runtime.has_gpu() and transformer_engine_available()
     )
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"

@@ -42,9 +42,9 @@ class ExitRequest:
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to exit. Collective: call on all ranks."""
-        from tierstack import platform
+        from tierstack import runtime
 
-        flag = torch.tensor([1.0 if self._requested else 0.0], device=platform.device())
+        flag = torch.tensor([1.0 if self._requested else 0.0], device=runtime.device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)

@@ -14,7 +14,7 @@ CPU and GPU
     On a GPU the Detector profiles CUDA kernels with CUPTI, which sees a slow GPU even when
     collectives make every rank's wall time equal. On a CPU there is no CUPTI (``nvrx_cupti_module``
     cannot load ``libcupti``), so this module hands the Detector a profiler that records no kernels
-    (:class:`tierstack.platform.nvrx_cpu.NoKernelProfiler`) and only wall-clock section timing is scored. A section that spans a
+    (:class:`tierstack.runtime.nvrx_cpu.NoKernelProfiler`) and only wall-clock section timing is scored. A section that spans a
     synchronous collective (the data-parallel gradient all-reduce) takes the same wall time on every
     rank, since the fast ranks wait there for the slow one; so on a CPU a straggler shows up in a
     section without collectives, such as the forward compute (:meth:`StragglerMonitor.wrap_forward_step`
@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch.distributed as dist
 
 from tierstack.config.sections import StragglerConfig
-from tierstack.platform import ParallelLayout, has_gpu
-from tierstack.platform.nvrx_cpu import detector_cpu_shims
+from tierstack.runtime import ParallelLayout, has_gpu
+from tierstack.runtime.nvrx_cpu import detector_cpu_shims
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from tierstack import platform
+from tierstack import runtime
 
 
 def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -42,7 +42,7 @@ def gpt_forward_step(data_iterator: Iterator[dict], model: torch.nn.Module):
         ``(output_tensor, loss_func)`` as megatron-core's ``forward_step_func`` contract requires.
     """
     batch = next(data_iterator)
-    dev = platform.device()
+    dev = runtime.device()
     tokens = batch["tokens"].to(dev, non_blocking=True).long()
     labels = batch["labels"].to(dev, non_blocking=True).long()
     loss_mask = batch["loss_mask"].to(dev, non_blocking=True)

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from tierstack import platform
+from tierstack import runtime
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def reduce_loss_across_ranks(losses_reduced: list[dict]) -> float:
     """
     from megatron.core import parallel_state as ps
 
-    acc = torch.zeros(2, dtype=torch.float64, device=platform.device())
+    acc = torch.zeros(2, dtype=torch.float64, device=runtime.device())
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for item in losses_reduced:
             acc += item["lm loss"].to(acc)
@@ -111,7 +111,7 @@ def train_step(
     if update_successful:
         scheduler.step(increment=1)
     loss = reduce_loss_across_ranks(losses)
-    platform.synchronize()
+    runtime.synchronize()
     return StepResult(
         loss=loss,
         grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
@@ -154,7 +154,7 @@ def evaluate(
     finally:
         for chunk in model:
             chunk.train()
-    total = total.to(platform.device())
+    total = total.to(runtime.device())
     dist.all_reduce(total)
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 

@@ -14,19 +14,19 @@ def build_model(cfg: ConfigContainer, provider: Callable[..., torch.nn.Module]) 
 
     Returns:
         A list with one model chunk (virtual pipeline stages are not used), on
-        :func:`tierstack.platform.device`, fp32 or bf16 per ``model.bf16``.
+        :func:`tierstack.runtime.device`, fp32 or bf16 per ``model.bf16``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from tierstack import platform
+    from tierstack import runtime
 
     model = provider(
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
-    model.to(platform.device())
+    model.to(runtime.device())
     tcfg = provider.transformer_config  # type: ignore[attr-defined]
     if cfg.model.bf16:
         model = Float16Module(tcfg, model)

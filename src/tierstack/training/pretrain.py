@@ -31,7 +31,7 @@ def pretrain(
         Any error of training, re-raised after cleanup; in-flight checkpoint saves are completed
         (or cleanly aborted) before the process groups go away.
     """
-    from tierstack import platform
+    from tierstack import runtime
     from tierstack.training.reporting import configure_logging, run_reporters
     from tierstack.resiliency.signals import ExitRequest
     from tierstack.training.forward import gpt_forward_step
@@ -64,4 +64,4 @@ def pretrain(
                 if s.tracker is not None:
                     s.tracker.finish(status)
         finally:
-            platform.destroy_distributed()
+            runtime.destroy_distributed()

@@ -41,8 +41,8 @@ def run_reporters(s):
     ``<run_dir>/metrics.jsonl`` (continued across resumes) and ``<run_dir>/loss_curve.png``
     (train and validation loss, checkpoint and resume steps marked), also logged to mlflow.
     """
-    from tierstack.logging.console import ProgressLogger
-    from tierstack.logging.history import MetricsHistory
+    from tierstack.observability.console import ProgressLogger
+    from tierstack.observability.history import MetricsHistory
 
     cfg, ts, rank = s.config, s.train_state, s.layout.rank
     run_dir = Path(cfg.logger.run_dir)
@@ -73,7 +73,7 @@ def run_reporters(s):
 def _write_loss_curve(s, history, run_dir: Path) -> None:
     """Record this run's checkpoints in the history, then plot the whole history (all runs)."""
     from tierstack.checkpointing import CheckpointTier
-    from tierstack.logging.plots import plot_loss_curve
+    from tierstack.observability.plots import plot_loss_curve
 
     try:
         recorded = history.checkpoint_steps()

@@ -8,7 +8,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from tierstack import platform
+from tierstack import runtime
 from tierstack.config import ConfigContainer
 from tierstack.training.state import TrainState
 
@@ -22,7 +22,7 @@ class SetupOutput(NamedTuple):
     """
 
     config: ConfigContainer
-    layout: platform.ParallelLayout
+    layout: runtime.ParallelLayout
     tokenizer: Any
     model: list
     optimizer: Any
@@ -60,7 +60,7 @@ def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: Train
         dp_rank=layout.data_parallel_rank,
         dp_size=layout.data_parallel_size,
         num_workers=cfg.dataset.num_workers,
-        pin_memory=platform.has_gpu(),
+        pin_memory=runtime.has_gpu(),
     )
     valid_it = None
     if valid_ds is not None and evals:
@@ -70,7 +70,7 @@ def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: Train
             micro_batch_size=t.micro_batch_size,
             dp_rank=layout.data_parallel_rank,
             dp_size=layout.data_parallel_size,
-            pin_memory=platform.has_gpu(),
+            pin_memory=runtime.has_gpu(),
         )
     return train_it, valid_it
 
@@ -86,7 +86,7 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
         Errors of the checkpoint layer when checkpoints exist but none is valid.
     """
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
-    layout = platform.initialize_distributed(
+    layout = runtime.initialize_distributed(
         tensor_model_parallel_size=cfg.distributed.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.distributed.pipeline_model_parallel_size,
         seed=cfg.rng.seed,
@@ -144,6 +144,6 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
 def _build_tracker(cfg: ConfigContainer, layout):
     if cfg.mlflow is None:
         return None
-    from tierstack.logging.tracking import MlflowTracker
+    from tierstack.observability.experiment_tracker import MlflowTracker
 
     return MlflowTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)

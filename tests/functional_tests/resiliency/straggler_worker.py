@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tierstack.config.sections import StragglerConfig
-from tierstack.platform import destroy_distributed, initialize_distributed
+from tierstack.runtime import destroy_distributed, initialize_distributed
 from tierstack.resiliency.straggler import StragglerMonitor
 
 

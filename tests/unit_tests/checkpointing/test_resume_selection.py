@@ -6,7 +6,7 @@ from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import CheckpointTier
 from tierstack.config import ConfigContainer
-from tierstack.platform import ParallelLayout
+from tierstack.runtime import ParallelLayout
 
 LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
                         pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,

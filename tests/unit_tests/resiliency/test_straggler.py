@@ -8,7 +8,7 @@ from nvidia_resiliency_ext.straggler import Detector
 from nvidia_resiliency_ext.straggler import straggler as nvrx_straggler
 
 from tierstack.config.sections import StragglerConfig
-from tierstack.platform import ParallelLayout, has_gpu
+from tierstack.runtime import ParallelLayout, has_gpu
 from tierstack.resiliency.straggler import StragglerMonitor
 
 LAYOUT = ParallelLayout(

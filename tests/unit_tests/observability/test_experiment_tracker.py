@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tierstack.config.sections import MlflowConfig
-from tierstack.logging.tracking import MlflowTracker, flatten_params
+from tierstack.observability.experiment_tracker import MlflowTracker, flatten_params
 
 CONFIG = {
     "train": {"train_iters": 20, "micro_batch_size": 4},

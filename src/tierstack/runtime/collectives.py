@@ -22,9 +22,9 @@ def world_size() -> int:
 
 
 def _device() -> torch.device:
-    from tierstack import platform
+    from tierstack import runtime
 
-    return platform.device()
+    return runtime.device()
 
 
 def all_reduce_max(value: int) -> int:

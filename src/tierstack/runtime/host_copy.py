@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from tierstack.platform.runtime import has_gpu
+from tierstack.runtime.distributed import has_gpu
 
 
 def empty_host_buffer(like: torch.Tensor) -> torch.Tensor:

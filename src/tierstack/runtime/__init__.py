@@ -3,8 +3,8 @@
 Nothing else in tierstack calls ``torch.cuda``; it asks this package.
 """
 
-from tierstack.platform.host_copy import copy_to_host, empty_host_buffer
-from tierstack.platform.runtime import (
+from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer
+from tierstack.runtime.distributed import (
     ParallelLayout,
     current_layout,
     default_backend,

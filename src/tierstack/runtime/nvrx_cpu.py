@@ -2,7 +2,7 @@
 
 The Detector builds a CUPTI kernel profiler at initialize and calls ``torch.cuda.synchronize`` when
 it reports; neither exists on a CPU-only build. Section (wall-clock) timing still works and is what
-a CPU run scores. This is device knowledge, so it lives in ``platform/``.
+a CPU run scores. This is device knowledge, so it lives in ``runtime/``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from tierstack.platform.runtime import has_gpu
+from tierstack.runtime.distributed import has_gpu
 
 
 class NoKernelProfiler:

@@ -4,7 +4,7 @@ import io
 import logging
 
 from tierstack.config.sections import LoggerConfig
-from tierstack.logging.console import ProgressLogger, format_duration, format_step_line
+from tierstack.observability.console import ProgressLogger, format_duration, format_step_line
 
 METRICS = {
     "loss": 2.91349,

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from tierstack.logging.history import MetricsHistory
-from tierstack.logging.plots import plot_loss_curve
+from tierstack.observability.history import MetricsHistory
+from tierstack.observability.plots import plot_loss_curve
 
 
 def _train(history, steps):

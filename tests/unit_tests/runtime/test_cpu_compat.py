@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from tierstack import platform
-from tierstack.platform.cpu_compat import CudaToCpuMode
+from tierstack import runtime
+from tierstack.runtime.cpu_compat import CudaToCpuMode
 
-pytestmark = pytest.mark.skipif(platform.has_gpu(), reason="the CPU layer is never used where CUDA exists")
+pytestmark = pytest.mark.skipif(runtime.has_gpu(), reason="the CPU layer is never used where CUDA exists")
 
 
 def test_cuda_devices_become_the_cpu_inside_the_mode():

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tierstack.platform import cpu_compat
+from tierstack.runtime import cpu_compat
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""tierstack.observability"""
