@@ -77,8 +77,10 @@ def _quiet_mlflow() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-class MlflowTracker:
-    """Rank-0 mlflow client for one training run.
+class ExperimentTracker:
+    """Rank-0 mlflow client for one training run: the *experiment* tracker.
+
+    (Not the checkpoint tracker file ``latest_checkpointed_iteration.txt``, not megatron's RNG tracker.)
 
     Args:
         cfg: the ``mlflow`` config section; None turns tracking off (every method a no-op).
@@ -120,7 +122,7 @@ class MlflowTracker:
         Args:
             config_params: the full config as nested dicts (``{"train": {"train_iters": 200}, ...}``);
                 logged as params on a new run only.
-            resume_run_id: mlflow run id kept in the checkpoint's TrainState (``tracker_run_id``).
+            resume_run_id: mlflow run id kept in the checkpoint's TrainState (``experiment_run_id``).
             resume_step: the step resumed from, appended to the ``tierstack.resumed_at`` tag.
 
         Returns:

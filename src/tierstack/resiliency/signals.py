@@ -6,8 +6,7 @@ import logging
 import signal
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+from tierstack.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +41,7 @@ class ExitRequest:
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to exit. Collective: call on all ranks."""
-        from tierstack import runtime
-
-        flag = torch.tensor([1.0 if self._requested else 0.0], device=runtime.device())
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return collectives.any_true(bool(self._requested))
 
     @property
     def reason(self) -> Optional[str]:

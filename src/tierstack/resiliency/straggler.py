@@ -30,10 +30,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-import torch.distributed as dist
-
 from tierstack.config.sections import StragglerConfig
-from tierstack.runtime import ParallelLayout, has_gpu
+from tierstack.runtime import ParallelLayout, collectives, has_gpu
 from tierstack.runtime.nvrx_cpu import detector_cpu_shims
 
 log = logging.getLogger(__name__)
@@ -157,12 +155,12 @@ class StragglerMonitor:
             result.metrics = self._metrics(report)
             result.stragglers = self._find_stragglers(report)
             self._log_report(iteration, report, result.stragglers)
-        decision = [(result.stragglers, bool(result.stragglers) and self.cfg.stop_if_detected)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # one broadcast carries both, so every rank can name the stragglers when it exits
-            dist.broadcast_object_list(decision, src=0)
-        result.stragglers = [tuple(s) for s in decision[0][0]]
-        result.should_stop = decision[0][1]
+        # one broadcast carries both, so every rank can name the stragglers when it exits
+        stragglers, should_stop = collectives.broadcast_object(
+            (result.stragglers, bool(result.stragglers) and self.cfg.stop_if_detected), src=0
+        )
+        result.stragglers = [tuple(s) for s in stragglers]
+        result.should_stop = should_stop
         return result
 
     def close(self) -> None:

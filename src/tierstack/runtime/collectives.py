@@ -1,5 +1,8 @@
-"""Small collective helpers. Every function is a no-op reduction when torch.distributed is off,
-so the pure parts of the package (manifests, retention, retries) run in single-process tests."""
+"""Small collective helpers that return values, for every package above ``runtime``.
+
+Every function is a no-op reduction when torch.distributed is off, so the pure parts of the
+checkpointing, resiliency and training code run in single-process tests. Each is a sync point.
+"""
 
 from __future__ import annotations
 
@@ -36,12 +39,18 @@ def all_reduce_max(value: int) -> int:
     return int(t.item())
 
 
+def any_true(flag: bool) -> bool:
+    """True on every rank when ``flag`` holds on any rank (a sync point)."""
+    return all_reduce_max(1 if flag else 0) == 1
+
+
 def all_true(flag: bool) -> bool:
     """True only when ``flag`` holds on every rank (a sync point)."""
     return all_reduce_max(0 if flag else 1) == 0
 
 
 def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), indexed by rank, on every rank."""
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -50,6 +59,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable), on every rank."""
     if not is_distributed():
         return obj
     box = [obj]

@@ -61,7 +61,7 @@ def pretrain(
                 s.checkpoint_manager.close()  # never exit while a save is in flight
                 if s.straggler is not None:
                     s.straggler.close()
-                if s.tracker is not None:
-                    s.tracker.finish(status)
+                if s.experiment_tracker is not None:
+                    s.experiment_tracker.finish(status)
         finally:
             runtime.destroy_distributed()

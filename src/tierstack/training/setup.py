@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
-import torch.distributed as dist
+import torch
 
 from tierstack import runtime
 from tierstack.config import ConfigContainer
+from tierstack.runtime import collectives
 from tierstack.training.state import TrainState
+
+if TYPE_CHECKING:  # megatron-core and mlflow are slow to import; setup() imports them when it runs
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from tierstack.checkpointing import CheckpointManager, ResumeInfo
+    from tierstack.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer
+    from tierstack.observability.experiment_tracker import ExperimentTracker
+    from tierstack.resiliency.straggler import StragglerMonitor
 
 log = logging.getLogger(__name__)
 
@@ -18,22 +28,23 @@ log = logging.getLogger(__name__)
 class SetupOutput(NamedTuple):
     """Objects built by :func:`setup`, in the order the training loop uses them.
 
-    ``straggler`` and ``tracker`` are None when their config sections are off.
+    ``straggler`` and ``experiment_tracker`` are None when their config sections are off;
+    ``resume_info`` is None on a fresh start.
     """
 
     config: ConfigContainer
     layout: runtime.ParallelLayout
-    tokenizer: Any
-    model: list
-    optimizer: Any
-    scheduler: Any
+    tokenizer: "ByteTokenizer | HuggingFaceTokenizer"
+    model: list[torch.nn.Module]  # megatron DDP-wrapped model chunks (one: no virtual pipeline stages)
+    optimizer: "MegatronOptimizer"  # a ChainedOptimizer on megatron-core 0.16
+    scheduler: "OptimizerParamScheduler"
     train_state: TrainState
-    train_data_iterator: Iterator
-    valid_data_iterator: Optional[Iterator]
-    checkpoint_manager: Any
-    resume_info: Any
-    straggler: Any
-    tracker: Any
+    train_data_iterator: Iterator[dict]
+    valid_data_iterator: Optional[Iterator[dict]]
+    checkpoint_manager: "CheckpointManager"
+    resume_info: "Optional[ResumeInfo]"
+    straggler: "Optional[StragglerMonitor]"
+    experiment_tracker: "Optional[ExperimentTracker]"
     padded_vocab_size: int
 
 
@@ -106,16 +117,18 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     scheduler = build_scheduler(cfg, optimizer)
     train_state = TrainState()
 
-    tracker = _build_tracker(cfg, layout)
+    tracker = _build_experiment_tracker(cfg, layout)
     listeners = [tracker.log_checkpoint] if tracker is not None else []
     ckpt = CheckpointManager(cfg, layout, listeners=listeners)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state, config=cfg)
     resume_info = ckpt.resume(objs)
     if tracker is not None:
-        run_id = tracker.start(cfg.flat_params(), resume_run_id=train_state.tracker_run_id)
-        box = [run_id]
-        dist.broadcast_object_list(box, src=0)
-        train_state.tracker_run_id = box[0]
+        run_id = tracker.start(
+            cfg.flat_params(),
+            resume_run_id=train_state.experiment_run_id,
+            resume_step=resume_info.step if resume_info is not None else None,
+        )
+        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
 
     train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
     straggler = None
@@ -136,14 +149,14 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
         checkpoint_manager=ckpt,
         resume_info=resume_info,
         straggler=straggler,
-        tracker=tracker,
+        experiment_tracker=tracker,
         padded_vocab_size=provider.padded_vocab_size,  # type: ignore[attr-defined]
     )
 
 
-def _build_tracker(cfg: ConfigContainer, layout):
+def _build_experiment_tracker(cfg: ConfigContainer, layout: runtime.ParallelLayout) -> "Optional[ExperimentTracker]":
     if cfg.mlflow is None:
         return None
-    from tierstack.observability.experiment_tracker import MlflowTracker
+    from tierstack.observability.experiment_tracker import ExperimentTracker
 
-    return MlflowTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)
+    return ExperimentTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)

@@ -12,6 +12,8 @@ CONSUMED_TRAIN_SAMPLES = "consumed_train_samples"
 SKIPPED_TRAIN_SAMPLES = "skipped_train_samples"
 CONSUMED_VALID_SAMPLES = "consumed_valid_samples"
 FLOPS_SO_FAR = "floating_point_operations_so_far"
+EXPERIMENT_RUN_ID = "experiment_run_id"
+LEGACY_TRACKER_RUN_ID = "tracker_run_id"  # checkpoints written before the rename
 
 
 @dataclass
@@ -27,7 +29,7 @@ class TrainState:
         consumed_valid_samples: validation samples drawn so far (the validation iterator resumes).
         floating_point_operations_so_far: model FLOPs done so far (float, FLOPs).
         run_id: identifier of the run family; checkpoints of another run are never loaded.
-        tracker_run_id: the experiment tracker's run id (mlflow), so a resume continues its curves.
+        experiment_run_id: the experiment tracker's run id (mlflow), so a resume continues its curves.
         resumed_from: steps at which this run was resumed (for plots and logs).
     """
 
@@ -37,7 +39,7 @@ class TrainState:
     consumed_valid_samples: int = 0
     floating_point_operations_so_far: float = 0.0
     run_id: str = ""
-    tracker_run_id: Optional[str] = None
+    experiment_run_id: Optional[str] = None
     resumed_from: list = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
@@ -47,7 +49,13 @@ class TrainState:
         return d
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. Unknown keys raise ``KeyError`` (a newer format)."""
+        """Restore from :meth:`state_dict`. Unknown keys raise ``KeyError`` (a newer format).
+
+        ``tracker_run_id`` (its name in checkpoints of 0.1.0) is read as ``experiment_run_id``.
+        """
+        state = dict(state)
+        if LEGACY_TRACKER_RUN_ID in state:
+            state.setdefault(EXPERIMENT_RUN_ID, state.pop(LEGACY_TRACKER_RUN_ID))
         names = {f.name for f in dataclasses.fields(self)}
         unknown = set(state) - names
         if unknown:

@@ -95,8 +95,8 @@ def train(
     _save_final(s, objs)
     if stop:
         log.warning("stopping at iteration %d: %s", ts.step, stop)
-        if s.tracker is not None:
-            s.tracker.set_tag("stop_reason", stop)
+        if s.experiment_tracker is not None:
+            s.experiment_tracker.set_tag("stop_reason", stop)
     return ts
 
 
@@ -166,8 +166,8 @@ def _publish_metrics(s: SetupOutput, step: int, metrics: dict, progress, history
         progress.log_step(step, metrics)
     if history is not None:
         history.append(step, metrics)
-    if s.tracker is not None:
-        s.tracker.log_metrics(step, metrics)
+    if s.experiment_tracker is not None:
+        s.experiment_tracker.log_metrics(step, metrics)
 
 
 def _save_final(s: SetupOutput, objs) -> None:

@@ -23,6 +23,7 @@ def test_one_mlflow_run_across_a_resume(tmp_path, pretrain_run):
     (run,) = client.search_runs([experiment.experiment_id])  # one run, continued
     run_id = run.info.run_id
     assert run.info.status == "FINISHED" and run.info.run_name == "e2e"
+    assert run.data.tags["tierstack.resumed_at"] == "6"  # setup passes the resumed step on
     assert run.data.params["train.train_iters"] == "16"
     assert run.data.params["checkpoint.save_interval"] == "8"
     assert run.data.params["straggler"] == "None"

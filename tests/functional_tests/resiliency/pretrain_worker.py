@@ -52,7 +52,7 @@ def main() -> None:
 
     state = pretrain(config, forward_step)
     if rank == 0:
-        print(f"FINAL step={state.step} resumed_from={state.resumed_from} tracker_run_id={state.tracker_run_id}")
+        print(f"FINAL step={state.step} resumed_from={state.resumed_from} experiment_run_id={state.experiment_run_id}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""MlflowTracker against a real sqlite store in tmp_path, read back with mlflow's own client."""
+"""ExperimentTracker against a real sqlite store in tmp_path, read back with mlflow's own client."""
 
 import json
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tierstack.config.sections import MlflowConfig
-from tierstack.observability.experiment_tracker import MlflowTracker, flatten_params
+from tierstack.observability.experiment_tracker import ExperimentTracker, flatten_params
 
 CONFIG = {
     "train": {"train_iters": 20, "micro_batch_size": 4},
@@ -44,7 +44,7 @@ def test_flatten_params_names_sections_and_truncates():
 
 def test_run_params_metrics_checkpoints_and_resume(tmp_path):
     cfg = MlflowConfig(experiment_name="exp", run_name="first")
-    tracker = MlflowTracker(cfg, tmp_path, rank=0)
+    tracker = ExperimentTracker(cfg, tmp_path, rank=0)
     run_id = tracker.start(CONFIG)
     tracker.log_metrics(10, {"loss": 3.5, "lr": 1e-3, "skipped": None, "note": "text"})
     tracker.log_metrics(20, {"loss": 3.1})
@@ -70,7 +70,7 @@ def test_run_params_metrics_checkpoints_and_resume(tmp_path):
     assert "curve.png" in [a.path for a in client.list_artifacts(run_id)]
 
     # a resume continues the same run: curves go on, params are not logged twice
-    resumed = MlflowTracker(cfg, tmp_path, rank=0)
+    resumed = ExperimentTracker(cfg, tmp_path, rank=0)
     changed = {**CONFIG, "train": {"train_iters": 40, "micro_batch_size": 4}}
     assert resumed.start(changed, resume_run_id=run_id, resume_step=20) == run_id
     resumed.log_metrics(30, {"loss": 2.9})
@@ -84,14 +84,14 @@ def test_run_params_metrics_checkpoints_and_resume(tmp_path):
 
 
 def test_unknown_resume_id_starts_a_new_run(tmp_path):
-    tracker = MlflowTracker(MlflowConfig(), tmp_path, rank=0)
+    tracker = ExperimentTracker(MlflowConfig(), tmp_path, rank=0)
     run_id = tracker.start(CONFIG, resume_run_id="0" * 32)
     assert run_id and run_id != "0" * 32
     tracker.finish()
 
 
 def test_other_ranks_and_disabled_tracking_are_no_ops(tmp_path):
-    for tracker in (MlflowTracker(MlflowConfig(), tmp_path, rank=1), MlflowTracker(None, tmp_path, rank=0)):
+    for tracker in (ExperimentTracker(MlflowConfig(), tmp_path, rank=1), ExperimentTracker(None, tmp_path, rank=0)):
         assert tracker.start(CONFIG) is None
         tracker.log_metrics(1, {"loss": 1.0})
         assert tracker.log_checkpoint({"tier": "GLOBAL", "step": 1, "path": "p", "bytes": 1, "seconds": 1}) is False
@@ -101,4 +101,4 @@ def test_other_ranks_and_disabled_tracking_are_no_ops(tmp_path):
 
 def test_bad_status_is_refused(tmp_path):
     with pytest.raises(ValueError, match="FINISHED"):
-        MlflowTracker(None, tmp_path, rank=0).finish("DONE")
+        ExperimentTracker(None, tmp_path, rank=0).finish("DONE")
