@@ -3,11 +3,9 @@
 Entry point: :func:`pretrain` with a :class:`ConfigContainer`.
 """
 
-import warnings
-
-# nvidia-resiliency-ext depends on the `pynvml` package; torch warns about it every time its CUDA
-# module is imported. It says nothing about the run, so it is not repeated on every rank of every launch.
-warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+# First: installs the filters of the warnings that say nothing about a run (tierstack.runtime.known_warnings)
+# before torch and megatron-core are imported.
+from tierstack import runtime as _runtime  # noqa: F401, I001
 
 from tierstack.config import ConfigContainer, ConfigError  # noqa: E402
 

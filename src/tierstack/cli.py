@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``tierstack`` console script; returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    if args.command != "pretrain":  # pretrain configures logging per rank (training.reporting)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     return args.func(args)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tierstack.recipes import DEFAULT_RECIPE, RECIPES, gpt_tiny_config
+from tierstack.runtime import known_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 TIERSTACK = Path(sys.executable).with_name("tierstack")
@@ -47,6 +48,10 @@ def test_second_launch_resumes_where_the_first_stopped(tmp_path, torchrun):
                            capture_output=True, text=True, timeout=300, cwd=REPO,
                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert first.returncode == 0, first.stderr[-4000:]
+    # a quiet start: no megatron-core / torch notices, one line naming the absent GPU packages
+    assert "Warning:" not in first.stderr and "warnings.warn" not in first.stderr, first.stderr[:4000]
+    if known_warnings.absent_gpu_packages():
+        assert first.stderr.count("optional GPU packages not installed") == 1
     assert "starting a fresh run" in first.stderr
     second = torchrun([recipe, *common, "train.train_iters=12"], timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]

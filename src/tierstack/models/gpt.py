@@ -62,6 +62,9 @@ def build_transformer_config(cfg: ConfigContainer):
         use_cpu_initialization=False,
         sequence_parallel=False,
         deallocate_pipeline_outputs=runtime.has_gpu(),
+        # megatron-core 0.16's default is "full", which it rewrites to [] with a deprecation warning
+        # on every config: [] is the same setting in its current spelling.
+        cuda_graph_scope=[],
     )
 
 

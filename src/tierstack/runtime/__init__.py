@@ -1,10 +1,16 @@
 """The one package that knows CPU from GPU: device, backend, process groups, RNG state.
 
-Nothing else in tierstack calls ``torch.cuda``; it asks this package.
+Nothing else in tierstack calls ``torch.cuda``; it asks this package. Importing it installs the
+filters of :mod:`tierstack.runtime.known_warnings` (torch's before torch is imported; megatron-core's
+CPU-only ones when there is no GPU), so ``import tierstack`` does it before anything else loads.
 """
 
-from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer
-from tierstack.runtime.distributed import (
+from tierstack.runtime import known_warnings
+
+known_warnings.install_import_filters()
+
+from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer  # noqa: E402
+from tierstack.runtime.distributed import (  # noqa: E402
     ParallelLayout,
     current_layout,
     default_backend,
@@ -18,6 +24,9 @@ from tierstack.runtime.distributed import (
     set_rng_state,
     synchronize,
 )
+
+if not has_gpu():
+    known_warnings.install_cpu_filters()
 
 __all__ = [
     "copy_to_host",

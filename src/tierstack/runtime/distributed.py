@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tierstack.runtime import cpu_compat
+from tierstack.runtime import cpu_compat, known_warnings
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,13 @@ def initialize_distributed(
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     seed_all(seed + 100 * pp_rank)
     tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * pp_rank)
+    absent = known_warnings.absent_gpu_packages()
+    if rank == 0 and absent:  # one line per run, instead of megatron-core's per-rank warnings
+        log.info(
+            "optional GPU packages not installed: %s (%s)",
+            ", ".join(absent),
+            "megatron-core's local implementations are used" if has_gpu() else "a CPU run does not use them",
+        )
     return current_layout()
 
 

@@ -1,0 +1,59 @@
+"""Warnings that say nothing about a run, filtered one by one (by message and module), never in bulk.
+
+On a CPU, megatron-core 0.16.1 warns on every rank that Transformer Engine and Apex are missing (six
+times, at the import of each module with a fused kernel) and that ``CUDA_DEVICE_MAX_CONNECTIONS``
+is unset (a CUDA stream setting); torch warns at import that the ``pynvml`` package (an
+nvidia-resiliency-ext dependency) is deprecated. None of them changes what a CPU run computes.
+:func:`install_import_filters` and :func:`install_cpu_filters` ignore exactly those warnings, each
+matched by its message and the module that issues it; every other warning stays visible.
+:func:`absent_gpu_packages` gives the one line a run prints instead.
+
+This module imports nothing heavy, so the import-time filters can be installed before torch loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+# (message regex, category, module regex): warnings.filterwarnings matches the message from its
+# start and the module name of the code calling warnings.warn.
+_IMPORT_TIME = (
+    # torch.cuda imports pynvml at import; nvidia-resiliency-ext depends on that package.
+    (r"The pynvml package is deprecated", FutureWarning, r"torch\.cuda\Z"),
+)
+_CPU_ONLY = (
+    # megatron/core/{optimizer/__init__,optimizer/optimizer,optimizer/clip_grads}.py and
+    # distributed/fsdp/src/megatron_fsdp/mixed_precision.py: the fused CUDA kernels' fallbacks.
+    (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning, r"megatron\.core\..*\Z"),
+    # megatron/core/models/backends.py and models/gpt/gpt_layer_specs.py: Apex's fused norm.
+    (r"Apex is not installed\. Falling back to Torch Norm\Z", UserWarning, r"megatron\.core\.models\..*\Z"),
+    # megatron/core/tensor_parallel/layers.py: an environment variable for CUDA streams.
+    (
+        r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
+        r"environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        UserWarning,
+        r"megatron\.core\.tensor_parallel\.layers\Z",
+    ),
+)
+GPU_PACKAGES = ("transformer_engine", "apex")  # optional: the `gpu` extra
+
+
+def _install(entries) -> None:
+    for message, category, module in entries:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def install_import_filters() -> None:
+    """Filters for warnings issued when torch is imported (install before ``import torch``)."""
+    _install(_IMPORT_TIME)
+
+
+def install_cpu_filters() -> None:
+    """Filters for megatron-core's warnings about missing CUDA packages and settings (CPU runs only)."""
+    _install(_CPU_ONLY)
+
+
+def absent_gpu_packages() -> list[str]:
+    """The optional GPU packages (``GPU_PACKAGES``) that cannot be imported here, without importing them."""
+    return [name for name in GPU_PACKAGES if importlib.util.find_spec(name) is None]
