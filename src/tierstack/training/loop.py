@@ -79,6 +79,24 @@ def reduce_loss_across_ranks(losses_reduced: list[dict]) -> float:
     return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
 
 
+def run_schedule(
+    forward_step_func: Callable, data_iterator: Iterator, model: list, shape: BatchShape, *, forward_only: bool
+) -> list[dict]:
+    """One global batch of ``shape`` through megatron-core's pipeline schedule (forward, and backward
+    unless ``forward_only``); returns the last stage's per-micro-batch loss reports (empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=shape.num_microbatches,
+        seq_length=shape.seq_length,
+        micro_batch_size=shape.micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
 def train_step(
     forward_step_func: Callable,
     data_iterator: Iterator,
@@ -92,21 +110,11 @@ def train_step(
     Raises:
         Whatever the forward step or megatron-core raise; the caller cleans up.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     start = time.perf_counter()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=shape.num_microbatches,
-        seq_length=shape.seq_length,
-        micro_batch_size=shape.micro_batch_size,
-        forward_only=False,
-    )
+    losses = run_schedule(forward_step_func, data_iterator, model, shape, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=1)
@@ -130,24 +138,14 @@ def evaluate(
     eval_iters: int,
 ) -> float:
     """Mean per-token validation loss over ``eval_iters`` global batches of ``shape`` (same on all ranks)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core import parallel_state as ps
 
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float64)
     try:
         for _ in range(eval_iters):
-            losses = get_forward_backward_func()(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=shape.num_microbatches,
-                seq_length=shape.seq_length,
-                micro_batch_size=shape.micro_batch_size,
-                forward_only=True,
-            )
-            from megatron.core import parallel_state as ps
-
+            losses = run_schedule(forward_step_func, data_iterator, model, shape, forward_only=True)
             if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
                 for item in losses:
                     total += item["lm loss"].double().cpu()
