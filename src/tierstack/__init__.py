@@ -18,4 +18,4 @@ def pretrain(config, forward_step_func=None, on_step=None):
 
 
 __all__ = ["ConfigContainer", "ConfigError", "pretrain"]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place of the version (pyproject.toml reads it; see CHANGELOG.md)
