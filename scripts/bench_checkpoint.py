@@ -124,7 +124,7 @@ def build(cfg, root: Path) -> Bench:
     from tierstack.data.tokenizers import build_tokenizer
     from tierstack.models.gpt import gpt_model_provider
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler
-    from tierstack.training.state import TrainState
+    from tierstack.train_state import TrainState
 
     d = cfg.distributed
     layout = runtime.initialize_distributed(tensor_model_parallel_size=d.tensor_model_parallel_size,

@@ -71,9 +71,9 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
-    from tierstack.checkpointing import inspect as ckpt_inspect
+    from tierstack.checkpointing import listing
 
-    fn = {"ls": ckpt_inspect.ls, "verify": ckpt_inspect.verify}[args.action]
+    fn = {"ls": listing.ls, "verify": listing.verify}[args.action]
     text, status = fn(args.path)
     print(text)
     return status

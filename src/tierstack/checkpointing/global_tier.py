@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tierstack.checkpointing import global_writer, layout, manifest, retention, retry
+from tierstack.checkpointing import global_writer, manifest, paths, retention, retry
 from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import Stager
@@ -56,10 +56,10 @@ class _InFlight:
 class GlobalTier:
     tier = CheckpointTier.GLOBAL
 
-    def __init__(self, cfg: ConfigContainer, layout_: ParallelLayout, on_publish: Callable[[SaveEvent], None]):
+    def __init__(self, cfg: ConfigContainer, parallel_layout: ParallelLayout, on_publish: Callable[[SaveEvent], None]):
         c = cfg.checkpoint
         self.cfg = cfg
-        self.layout = layout_
+        self.layout = parallel_layout
         self.save_root = Path(c.save) if c.save else None
         load = c.load or c.save
         self.load_root = Path(load) if load else None
@@ -146,7 +146,7 @@ class GlobalTier:
         captured = dict(objs.train_state.state_dict())
 
         def attempt(n: int):
-            staging = self.save_root / layout.staging_dir_name(step, run_id, n)
+            staging = self.save_root / paths.staging_dir_name(step, run_id, n)
             retry.run_agreed(lambda: self._make_staging(staging, objs.config))
             # Rebuilt per attempt: dist_checkpointing preprocesses the dict in place.
             sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
@@ -155,7 +155,7 @@ class GlobalTier:
         def cleanup(n: int, failed: retry.SaveAttemptFailed) -> None:
             log.warning("GLOBAL save of step %d, attempt %d failed: %s", step, n, failed)
             if _dist.rank() == 0:
-                shutil.rmtree(self.save_root / layout.staging_dir_name(step, run_id, n), ignore_errors=True)
+                shutil.rmtree(self.save_root / paths.staging_dir_name(step, run_id, n), ignore_errors=True)
 
         try:
             staging, request = retry.run_attempts(
@@ -210,7 +210,7 @@ class GlobalTier:
                 from omegaconf import OmegaConf
 
                 text = OmegaConf.to_yaml(OmegaConf.create(self.cfg.to_dict()))
-                (staging / layout.RUN_CONFIG).write_text(text)
+                (staging / paths.RUN_CONFIG).write_text(text)
                 box.append(manifest.list_files(staging))
 
         box: list = []
@@ -237,23 +237,23 @@ class GlobalTier:
                 tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
                 train_state=train_state, files=files, **extra,
             )
-            manifest.write_manifest(staging / layout.MANIFEST, man)
-            final = self.save_root / layout.step_dir_name(step)
+            manifest.write_manifest(staging / paths.MANIFEST, man)
+            final = self.save_root / paths.step_dir_name(step)
             if final.exists():  # an older run of this step (resumed with ckpt_step): keep it aside
-                layout.quarantine(final, "superseded")
+                paths.quarantine(final, "superseded")
             staging.rename(final)
-            layout.fsync_dir(self.save_root)
-            layout.atomic_write_text(self.save_root / layout.TRACKER_ITERATION, f"{step}\n")
+            paths.fsync_dir(self.save_root)
+            paths.atomic_write_text(self.save_root / paths.TRACKER_ITERATION, f"{step}\n")
             buf = io.BytesIO()
             torch.save(train_state, buf)
-            layout.atomic_write_bytes(self.save_root / layout.TRACKER_TRAIN_STATE, buf.getvalue())
-            layout.write_run_file(self.save_root, run_id)
+            paths.atomic_write_bytes(self.save_root / paths.TRACKER_TRAIN_STATE, buf.getvalue())
+            paths.write_run_file(self.save_root, run_id)
 
         retry.run_agreed(publish)
 
     def _after_publish(self, step: int, run_id: str, blocked_s: float) -> None:
-        path = self.save_root / layout.step_dir_name(step)
-        man = layout.read_json(path / layout.MANIFEST) if _dist.rank() == 0 else None
+        path = self.save_root / paths.step_dir_name(step)
+        man = paths.read_json(path / paths.MANIFEST) if _dist.rank() == 0 else None
         size = _dist.broadcast_object(int(man["bytes"]) if man else 0)
         log.info("GLOBAL checkpoint of step %d published at %s (%d bytes, blocked %.2fs)", step, path, size, blocked_s)
         if _dist.rank() == 0:
@@ -311,14 +311,14 @@ class GlobalTier:
             return []
         out = []
         for p in self.load_root.iterdir():
-            step = layout.parse_step_dir(p.name)
+            step = paths.parse_step_dir(p.name)
             if step is None or not p.is_dir():
                 continue  # staging, quarantined and foreign names are never candidates
-            man_path = p / layout.MANIFEST
+            man_path = p / paths.MANIFEST
             if not man_path.exists():
                 out.append(Candidate(self.tier, step, p, foreign=True, problem="no-manifest"))
                 continue
-            man = layout.read_json(man_path)
+            man = paths.read_json(man_path)
             problem = manifest.check_manifest(man, step=step)
             foreign = man is not None and run_id is not None and man.get("run_id") != run_id
             out.append(Candidate(self.tier, step, p, man, problem or ("other-run" if foreign else None), foreign))
@@ -331,15 +331,15 @@ class GlobalTier:
 
     def quarantine(self, cand: Candidate, reason: str) -> None:
         if _dist.rank() == 0 and cand.path.exists():
-            target = layout.quarantine(cand.path, reason)
+            target = paths.quarantine(cand.path, reason)
             log.warning("GLOBAL checkpoint %s is invalid (%s): moved to %s", cand.path, reason, target.name)
 
     def load(self, step: int, objs: TrainingObjects, *, model_only: bool = False) -> str:
         from megatron.core import dist_checkpointing
 
         c = self.cfg.checkpoint
-        path = self.load_root / layout.step_dir_name(step)
-        man = layout.read_json(path / layout.MANIFEST) or {}
+        path = self.load_root / paths.step_dir_name(step)
+        man = paths.read_json(path / paths.MANIFEST) or {}
         saved, now = man.get("topology", {}), self.layout.topology()
         optim = self._load_optim_decision(man, objs, model_only)
         rng = c.load_rng and not model_only and man.get("has_rng", True) and saved == now

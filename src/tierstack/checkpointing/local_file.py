@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tierstack.checkpointing import layout, manifest
+from tierstack.checkpointing import manifest, paths
 
 MAGIC = b"TSLOCAL\x02"
 _ALIGN = 64
@@ -101,7 +101,7 @@ def write(path: Path, header: bytes, buffers: Sequence[torch.Tensor], algo: str 
     finally:
         os.close(fd)
     os.replace(dirty, path)
-    layout.fsync_dir(path.parent)
+    paths.fsync_dir(path.parent)
     return {"size": size, algo: value}
 
 

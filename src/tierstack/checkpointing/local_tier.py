@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from tierstack.checkpointing import layout, local_file, manifest, retention, retry
+from tierstack.checkpointing import local_file, manifest, paths, retention, retry
 from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import Stager
@@ -53,9 +53,9 @@ class _InFlight:
 class LocalTier:
     tier = CheckpointTier.LOCAL
 
-    def __init__(self, cfg: ConfigContainer, layout_: ParallelLayout):
+    def __init__(self, cfg: ConfigContainer, parallel_layout: ParallelLayout):
         self.cfg = cfg
-        self.layout = layout_
+        self.layout = parallel_layout
         self.root = Path(cfg.checkpoint.local_dir) if cfg.checkpoint.local_dir else None
         self._stager = Stager("LOCAL")
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
@@ -79,7 +79,7 @@ class LocalTier:
 
     def _paths(self, step: int) -> tuple[Path, Path]:
         r = self.layout.rank
-        return self.rank_dir / layout.local_file_name(step, r), self.rank_dir / layout.local_manifest_name(step, r)
+        return self.rank_dir / paths.local_file_name(step, r), self.rank_dir / paths.local_manifest_name(step, r)
 
     # ------------------------------------------------------------------ save
     def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
@@ -172,7 +172,7 @@ class LocalTier:
         self.sealed.append(job.step)
         self.last_durable_s = time.perf_counter() - job.started
         if self.layout.local_rank == 0:
-            layout.write_run_file(self.root, job.run_id)
+            paths.write_run_file(self.root, job.run_id)
         try:
             retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step,
                                   self.cfg.checkpoint.most_recent_k)
@@ -199,12 +199,12 @@ class LocalTier:
             return []
         out = []
         for p in self.rank_dir.iterdir():
-            parsed = layout.parse_local_file(p.name)
+            parsed = paths.parse_local_file(p.name)
             if parsed is None or parsed[1] != self.layout.rank:
                 continue
             step = parsed[0]
             man_path = self._paths(step)[1]
-            man = layout.read_json(man_path)
+            man = paths.read_json(man_path)
             problem = manifest.check_manifest(man, step=step)
             foreign = man is not None and run_id is not None and man.get("run_id") != run_id
             if problem is None and not foreign and man["topology"] != self.layout.topology():
@@ -233,12 +233,12 @@ class LocalTier:
     def quarantine(self, cand: Candidate, reason: str) -> None:
         for p in self._paths(cand.step):
             if p.exists():
-                layout.quarantine(p, reason)
+                paths.quarantine(p, reason)
         log.warning("LOCAL checkpoint step %d of rank %d is invalid (%s): quarantined", cand.step, self.layout.rank, reason)
 
     def load(self, step: int, objs: TrainingObjects) -> str:
         c = self.cfg.checkpoint
-        man = layout.read_json(self._paths(step)[1]) or {}
+        man = paths.read_json(self._paths(step)[1]) or {}
         optim = c.load_optim and man.get("has_optimizer", True)
         rng = c.load_rng and man.get("has_rng", True)
         ckpt = self._paths(step)[0]

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from tierstack.checkpointing import layout, preflight, selection
+from tierstack.checkpointing import paths, preflight, selection
 from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.global_tier import CheckpointLoadError, GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
@@ -105,9 +105,9 @@ class CheckpointManager:
         # leaves LOCAL checkpoints of a recognisable family.
         g, loc = self._tiers[CheckpointTier.GLOBAL], self._tiers[CheckpointTier.LOCAL]
         if g.save_root is not None and _dist.rank() == 0:
-            layout.write_run_file(g.save_root, run_id)
+            paths.write_run_file(g.save_root, run_id)
         if loc.root is not None and self.layout.local_rank == 0:
-            layout.write_run_file(loc.root, run_id)
+            paths.write_run_file(loc.root, run_id)
         _dist.barrier()
         if c.pretrained_checkpoint:
             self._load_pretrained(objs, Path(c.pretrained_checkpoint))
@@ -117,10 +117,10 @@ class CheckpointManager:
 
     def _load_pretrained(self, objs: TrainingObjects, path: Path) -> None:
         """Model weights only (fine-tuning): a step directory, or a GLOBAL root with a tracker."""
-        root, step = path.parent, layout.parse_step_dir(path.name)
+        root, step = path.parent, paths.parse_step_dir(path.name)
         if step is None:
             root = path
-            step = int((path / layout.TRACKER_ITERATION).read_text().strip())
+            step = int((path / paths.TRACKER_ITERATION).read_text().strip())
         tier = GlobalTier(self.cfg, self.layout, lambda e: None)
         tier.load_root = root
         tier.load(step, objs, model_only=True)

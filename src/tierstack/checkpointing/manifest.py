@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional
 
 import crc32c as _crc32c
 
-from tierstack.checkpointing import layout
+from tierstack.checkpointing import paths
 
 _CHUNK = 16 << 20
 CHECKSUM = "crc32c"  # the key (and algorithm) of new manifests' file entries
@@ -54,7 +54,7 @@ def describe_files(root: Path, names: Iterable[str]) -> dict[str, dict]:
     return {n: {"size": (root / n).stat().st_size, CHECKSUM: checksum_file(root / n)} for n in sorted(names)}
 
 
-def list_files(root: Path, exclude: Iterable[str] = (layout.MANIFEST,)) -> list[str]:
+def list_files(root: Path, exclude: Iterable[str] = (paths.MANIFEST,)) -> list[str]:
     """Every regular file under ``root``, relative, excluding ``exclude``."""
     root = Path(root)
     skip = set(exclude)
@@ -72,7 +72,7 @@ def build_manifest(
     **extra,
 ) -> dict:
     return {
-        "format_version": layout.FORMAT_VERSION,
+        "format_version": paths.FORMAT_VERSION,
         "tier": tier,
         "step": int(step),
         "run_id": run_id,
@@ -87,7 +87,7 @@ def build_manifest(
 
 def write_manifest(path: Path, manifest: dict) -> None:
     """Seal: the manifest is written to a temp file, fsync'd and renamed into place."""
-    layout.atomic_write_json(Path(path), manifest)
+    paths.atomic_write_json(Path(path), manifest)
 
 
 def check_files(root: Path, files: dict[str, dict], names: Optional[Iterable[str]] = None,
@@ -121,7 +121,7 @@ def check_manifest(manifest: Optional[dict], *, step: Optional[int] = None,
     """Problem with a manifest's header (not its files), or None."""
     if manifest is None:
         return "no-manifest"
-    if manifest.get("format_version") not in layout.READABLE_FORMAT_VERSIONS:
+    if manifest.get("format_version") not in paths.READABLE_FORMAT_VERSIONS:
         return f"format-version {manifest.get('format_version')}"
     for key in ("step", "run_id", "files", "train_state", "topology"):
         if key not in manifest:

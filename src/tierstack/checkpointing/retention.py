@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from tierstack.checkpointing import layout
+from tierstack.checkpointing import paths
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ def steps_to_delete(own_steps: Iterable[int], published: int, k: int) -> list[in
     """Steps of this run to delete after publishing ``published``, keeping ``k`` in all (-1 = all)."""
     if k < 0:
         return []
-    older = [s for s in layout.sorted_steps(set(own_steps)) if s < published]
+    older = [s for s in paths.sorted_steps(set(own_steps)) if s < published]
     keep = max(k - 1, 0)  # the published one counts towards k
     return older[: len(older) - keep] if keep else older
 
@@ -29,10 +29,10 @@ def prune_global(root: Path, run_id: str, published: int, k: int) -> list[int]:
     """Delete old GLOBAL step directories of ``run_id`` under ``root`` (call on one rank)."""
     own = {}
     for p in Path(root).iterdir():
-        step = layout.parse_step_dir(p.name)
+        step = paths.parse_step_dir(p.name)
         if step is None or not p.is_dir():
             continue
-        man = layout.read_json(p / layout.MANIFEST)
+        man = paths.read_json(p / paths.MANIFEST)
         if man is not None and man.get("run_id") == run_id:
             own[step] = p
     doomed = steps_to_delete(own, published, k)
@@ -46,15 +46,15 @@ def prune_local(rank_dir: Path, rank: int, run_id: str, published: int, k: int) 
     """Delete this rank's old LOCAL files (checkpoint and manifest) of ``run_id``."""
     own = []
     for p in Path(rank_dir).iterdir():
-        parsed = layout.parse_local_file(p.name)
+        parsed = paths.parse_local_file(p.name)
         if parsed is None or parsed[1] != rank:
             continue
-        man = layout.read_json(p.with_name(layout.local_manifest_name(parsed[0], rank)))
+        man = paths.read_json(p.with_name(paths.local_manifest_name(parsed[0], rank)))
         if man is not None and man.get("run_id") == run_id:
             own.append(parsed[0])
     doomed = steps_to_delete(own, published, k)
     for step in doomed:
         log.info("retention: removing LOCAL checkpoint step %d of rank %d (most_recent_k=%d)", step, rank, k)
-        for name in (layout.local_file_name(step, rank), layout.local_manifest_name(step, rank)):
+        for name in (paths.local_file_name(step, rank), paths.local_manifest_name(step, rank)):
             (Path(rank_dir) / name).unlink(missing_ok=True)
     return doomed

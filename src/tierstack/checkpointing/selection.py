@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tierstack.checkpointing import layout
+from tierstack.checkpointing import paths
 from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.types import Candidate, CheckpointTier, CheckpointTierHandler
 
@@ -33,7 +33,7 @@ class Selection:
 
 def agree_family(roots: Sequence[Optional[Path]]) -> Optional[str]:
     """Collective: the run family, from the ``run.json`` written last among the tier roots any rank sees."""
-    mine = [layout.read_run_file(r) for r in roots if r is not None]
+    mine = [paths.read_run_file(r) for r in roots if r is not None]
     seen = [info for view in _dist.all_gather_object(mine) for info in view if info]
     if not seen:
         return None

@@ -10,7 +10,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from tierstack.config import ConfigContainer
-from tierstack.training.state import TrainState
+from tierstack.train_state import TrainState
 
 
 class CheckpointTier(enum.Enum):

@@ -6,7 +6,7 @@ import logging
 from typing import Callable, Optional
 
 from tierstack.config import ConfigContainer
-from tierstack.training.state import TrainState
+from tierstack.train_state import TrainState
 
 log = logging.getLogger(__name__)
 

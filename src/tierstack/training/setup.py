@@ -11,7 +11,7 @@ import torch
 from tierstack import runtime
 from tierstack.config import ConfigContainer
 from tierstack.runtime import collectives
-from tierstack.training.state import TrainState
+from tierstack.train_state import TrainState
 
 if TYPE_CHECKING:  # megatron-core and mlflow are slow to import; setup() imports them when it runs
     from megatron.core.optimizer import MegatronOptimizer

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 from tierstack.training.loop import BatchShape, evaluate, model_flops_per_iteration, train_step
 from tierstack.training.setup import SetupOutput
-from tierstack.training.state import TrainState
+from tierstack.train_state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 
 from launcher import run_torchrun
 
-from tierstack.checkpointing import inspect as ckpt_inspect
+from tierstack.checkpointing import listing
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 
@@ -124,7 +124,7 @@ def test_local_only_then_newer_tier_wins(tmp_path):
     c = launch(tmp_path / "c", "train.train_iters=6", f"checkpoint.local_dir={loc}", f"checkpoint.save={g}")
     assert c[0]["resume"]["tier"] == "global" and c[0]["resume"]["step"] == 5
     assert c[0]["train_state"]["run_id"] == b[0]["train_state"]["run_id"] == c[1]["train_state"]["run_id"]
-    text, status = ckpt_inspect.verify(str(g))
+    text, status = listing.verify(str(g))
     assert status == 0 and "global  6" in text
 
 
@@ -145,7 +145,7 @@ def test_async_save_publishes_the_scheduled_step(tmp_path):
         assert man["step"] == step and man["train_state"]["step"] == step
         assert man["train_state"]["consumed_train_samples"] == 4 * step
     assert not [p for p in g.iterdir() if ".staging-" in p.name]
-    assert ckpt_inspect.verify(str(g))[1] == 0
+    assert listing.verify(str(g))[1] == 0
 
 
 @pytest.mark.slow
@@ -161,7 +161,7 @@ def test_retention_keeps_two_newest_in_each_tier(tmp_path):
     for r in (0, 1):
         assert sorted(p.name for p in (loc / str(r)).iterdir() if p.suffix == ".pt") == [
             f"iter_0000020_{r}_local.pt", f"iter_0000030_{r}_local.pt"]
-    assert ckpt_inspect.verify(str(loc))[1] == 0
+    assert listing.verify(str(loc))[1] == 0
 
 
 @pytest.mark.slow
@@ -179,7 +179,7 @@ def test_local_save_in_flight_at_the_end_is_sealed_and_holds_the_handed_off_stat
         assert sorted(p.name for p in (loc / str(r)).iterdir()) == [
             f"iter_0000004_{r}_local.manifest.json", f"iter_0000004_{r}_local.pt",
             f"iter_0000008_{r}_local.manifest.json", f"iter_0000008_{r}_local.pt"]
-    assert ckpt_inspect.verify(str(loc))[1] == 0
+    assert listing.verify(str(loc))[1] == 0
     resumed = launch(tmp_path / "b", "train.train_iters=8", f"checkpoint.local_dir={loc}", "checkpoint.ckpt_step=4")
     assert resumed[0]["resume"]["tier"] == "local" and resumed[0]["resume"]["step"] == 4
     assert_same_run(straight, resumed, 4)
@@ -198,4 +198,4 @@ def test_sigkill_while_a_local_save_is_written_resumes_from_the_previous_step(tm
     assert b[0]["resume"]["tier"] == "local" and b[0]["resume"]["step"] == 2
     assert sorted(b[0]["losses"], key=int) == ["3", "4", "5", "6"]
     assert b[0]["local_sealed"] == [4, 6] == b[1]["local_sealed"]
-    assert ckpt_inspect.verify(str(loc))[1] == 0
+    assert listing.verify(str(loc))[1] == 0

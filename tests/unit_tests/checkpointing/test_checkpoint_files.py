@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from tierstack.checkpointing import inspect as ckpt_inspect
-from tierstack.checkpointing import layout, manifest, retention, retry
+from tierstack.checkpointing import listing
+from tierstack.checkpointing import manifest, paths, retention, retry
 
 
 def _global_ckpt(root, step, run_id="runA", payload=b"x" * 100):
-    d = root / layout.step_dir_name(step)
+    d = root / paths.step_dir_name(step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(payload)
     (d / "common.pt").write_bytes(b"common")
@@ -20,15 +20,15 @@ def _global_ckpt(root, step, run_id="runA", payload=b"x" * 100):
         train_state={"step": step, "consumed_train_samples": step * 4},
         files=manifest.describe_files(d, manifest.list_files(d)),
     )
-    manifest.write_manifest(d / layout.MANIFEST, man)
+    manifest.write_manifest(d / paths.MANIFEST, man)
     return d
 
 
 # ------------------------------------------------------------------ retention
 def test_steps_sort_numerically():
-    assert layout.sorted_steps([1000, 999, 20]) == [20, 999, 1000]
-    assert layout.parse_step_dir("iter_0001000") == 1000
-    assert layout.parse_step_dir("iter_10000000") == 10000000
+    assert paths.sorted_steps([1000, 999, 20]) == [20, 999, 1000]
+    assert paths.parse_step_dir("iter_0001000") == 1000
+    assert paths.parse_step_dir("iter_10000000") == 10000000
 
 
 def test_retention_keeps_k_newest_and_never_newer_than_published():
@@ -43,7 +43,7 @@ def test_prune_global_leaves_other_runs_and_staging(tmp_path):
     for s in (999, 1000, 1001):
         _global_ckpt(tmp_path, s)
     foreign = _global_ckpt(tmp_path, 5, run_id="runB")
-    staging = tmp_path / layout.staging_dir_name(998, "runA", 1)
+    staging = tmp_path / paths.staging_dir_name(998, "runA", 1)
     staging.mkdir()
     deleted = retention.prune_global(tmp_path, "runA", published=1001, k=2)
     assert deleted == [999]
@@ -56,41 +56,41 @@ def test_prune_local_keeps_k(tmp_path):
     rank_dir = tmp_path / "0"
     rank_dir.mkdir()
     for s in (10, 20, 30):
-        (rank_dir / layout.local_file_name(s, 0)).write_bytes(b"data")
-        layout.atomic_write_json(rank_dir / layout.local_manifest_name(s, 0), {"run_id": "runA"})
-    (rank_dir / layout.local_file_name(5, 0)).write_bytes(b"other run")
-    layout.atomic_write_json(rank_dir / layout.local_manifest_name(5, 0), {"run_id": "runB"})
+        (rank_dir / paths.local_file_name(s, 0)).write_bytes(b"data")
+        paths.atomic_write_json(rank_dir / paths.local_manifest_name(s, 0), {"run_id": "runA"})
+    (rank_dir / paths.local_file_name(5, 0)).write_bytes(b"other run")
+    paths.atomic_write_json(rank_dir / paths.local_manifest_name(5, 0), {"run_id": "runB"})
     assert retention.prune_local(rank_dir, 0, "runA", published=30, k=2) == [10]
     left = sorted(p.name for p in rank_dir.iterdir() if p.suffix == ".pt")
-    assert left == [layout.local_file_name(s, 0) for s in (5, 20, 30)]
+    assert left == [paths.local_file_name(s, 0) for s in (5, 20, 30)]
 
 
 # ------------------------------------------------------------------ trackers
 def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
-    tracker = tmp_path / layout.TRACKER_ITERATION
-    layout.atomic_write_text(tracker, "10\n")
-    layout.atomic_write_text(tracker, "20\n")
+    tracker = tmp_path / paths.TRACKER_ITERATION
+    paths.atomic_write_text(tracker, "10\n")
+    paths.atomic_write_text(tracker, "20\n")
     assert tracker.read_text() == "20\n"
-    assert [p.name for p in tmp_path.iterdir()] == [layout.TRACKER_ITERATION]
+    assert [p.name for p in tmp_path.iterdir()] == [paths.TRACKER_ITERATION]
 
 
 def test_atomic_write_failure_keeps_old_content(tmp_path, monkeypatch):
-    tracker = tmp_path / layout.TRACKER_ITERATION
-    layout.atomic_write_text(tracker, "10\n")
+    tracker = tmp_path / paths.TRACKER_ITERATION
+    paths.atomic_write_text(tracker, "10\n")
 
     def broken_replace(src, dst):
         raise OSError(errno.EIO, "injected")
 
     monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError):
-        layout.atomic_write_text(tracker, "20\n")
+        paths.atomic_write_text(tracker, "20\n")
     assert tracker.read_text() == "10\n"
 
 
 # ------------------------------------------------------------------ manifests
 def test_manifest_detects_truncated_and_corrupted_files(tmp_path):
     d = _global_ckpt(tmp_path, 20)
-    man = layout.read_json(d / layout.MANIFEST)
+    man = paths.read_json(d / paths.MANIFEST)
     assert manifest.check_manifest(man, step=20) is None
     assert manifest.check_files(d, man["files"]) is None
     shard = d / "__0_0.distcp"
@@ -104,7 +104,7 @@ def test_manifest_detects_truncated_and_corrupted_files(tmp_path):
 
 
 def test_manifest_header_checks():
-    man = {"format_version": layout.FORMAT_VERSION, "step": 3, "run_id": "a", "files": {},
+    man = {"format_version": paths.FORMAT_VERSION, "step": 3, "run_id": "a", "files": {},
            "train_state": {}, "topology": {"tp": 2}}
     assert manifest.check_manifest(None) == "no-manifest"
     assert manifest.check_manifest(man, step=4).startswith("step-mismatch")
@@ -115,32 +115,32 @@ def test_manifest_header_checks():
 def test_inspect_verify_reports_invalid(tmp_path):
     _global_ckpt(tmp_path, 10)
     d = _global_ckpt(tmp_path, 20)
-    text, status = ckpt_inspect.verify(str(tmp_path))
+    text, status = listing.verify(str(tmp_path))
     assert status == 0 and "2 checkpoint(s), 0 invalid" in text
     (d / "common.pt").write_bytes(b"COMMON")
-    text, status = ckpt_inspect.verify(str(tmp_path))
+    text, status = listing.verify(str(tmp_path))
     assert status == 1 and "checksum-mismatch common.pt" in text
-    assert ckpt_inspect.ls(str(tmp_path))[1] == 0  # sizes still match
-    assert ckpt_inspect.ls(str(tmp_path / "missing"))[1] == 2
+    assert listing.ls(str(tmp_path))[1] == 0  # sizes still match
+    assert listing.ls(str(tmp_path / "missing"))[1] == 2
 
 
 # ------------------------------------------------------------------ names
 def test_staging_and_quarantined_names_are_never_candidates(tmp_path):
-    assert layout.parse_step_dir(layout.staging_dir_name(20, "runA", 1)) is None
+    assert paths.parse_step_dir(paths.staging_dir_name(20, "runA", 1)) is None
     d = _global_ckpt(tmp_path, 20)
-    moved = layout.quarantine(d, "checksum-mismatch common.pt")
+    moved = paths.quarantine(d, "checksum-mismatch common.pt")
     assert moved.name.startswith("iter_0000020.invalid-checksum-mismatch")
-    assert layout.parse_step_dir(moved.name) is None
-    assert layout.parse_local_file("iter_0000020_0_local.dirty.pt") is None
-    assert layout.parse_local_file("iter_0000020_0_local.pt.invalid-x") is None
-    assert layout.parse_local_file("iter_0000020_1_local.pt") == (20, 1)
+    assert paths.parse_step_dir(moved.name) is None
+    assert paths.parse_local_file("iter_0000020_0_local.dirty.pt") is None
+    assert paths.parse_local_file("iter_0000020_0_local.pt.invalid-x") is None
+    assert paths.parse_local_file("iter_0000020_1_local.pt") == (20, 1)
 
 
 def test_run_file_roundtrip(tmp_path):
-    assert layout.read_run_file(tmp_path) is None
-    layout.write_run_file(tmp_path, "abc")
-    info = layout.read_run_file(tmp_path)
-    assert info["run_id"] == "abc" and json.loads((tmp_path / layout.RUN_FILE).read_text())["run_id"] == "abc"
+    assert paths.read_run_file(tmp_path) is None
+    paths.write_run_file(tmp_path, "abc")
+    info = paths.read_run_file(tmp_path)
+    assert info["run_id"] == "abc" and json.loads((tmp_path / paths.RUN_FILE).read_text())["run_id"] == "abc"
 
 
 # ------------------------------------------------------------------ retries

@@ -1,7 +1,7 @@
 """Resume selection over real files, single process (collectives reduce to the local view)."""
 
 
-from tierstack.checkpointing import layout, manifest, selection
+from tierstack.checkpointing import manifest, paths, selection
 from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import CheckpointTier
@@ -21,23 +21,23 @@ def _cfg(tmp_path):
 
 
 def _global(root, step, run_id="runA"):
-    d = root / layout.step_dir_name(step)
+    d = root / paths.step_dir_name(step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
     man = manifest.build_manifest(tier="global", step=step, run_id=run_id, topology=LAYOUT.topology(),
                                   train_state={"step": step}, files=manifest.describe_files(d, ["__0_0.distcp"]))
-    manifest.write_manifest(d / layout.MANIFEST, man)
+    manifest.write_manifest(d / paths.MANIFEST, man)
     return d
 
 
 def _local(root, step, run_id="runA", topology=None):
     d = root / "0"
     d.mkdir(parents=True, exist_ok=True)
-    (d / layout.local_file_name(step, 0)).write_bytes(b"local" * 10)
+    (d / paths.local_file_name(step, 0)).write_bytes(b"local" * 10)
     man = manifest.build_manifest(tier="local", step=step, run_id=run_id, topology=topology or LAYOUT.topology(),
                                   train_state={"step": step},
-                                  files=manifest.describe_files(d, [layout.local_file_name(step, 0)]))
-    manifest.write_manifest(d / layout.local_manifest_name(step, 0), man)
+                                  files=manifest.describe_files(d, [paths.local_file_name(step, 0)]))
+    manifest.write_manifest(d / paths.local_manifest_name(step, 0), man)
 
 
 def _tiers(tmp_path):
@@ -51,14 +51,14 @@ def test_newest_valid_wins_and_invalid_is_quarantined(tmp_path):
         _global(g, s)
     bad = _global(g, 1001)
     (bad / "__0_0.distcp").write_bytes(b"\0" * 1024)  # same size, other bytes
-    (g / layout.staging_dir_name(2000, "runA", 1)).mkdir()  # never a candidate
+    (g / paths.staging_dir_name(2000, "runA", 1)).mkdir()  # never a candidate
     _global(g, 3000, run_id="runB")  # another run's: ignored, left alone
     chosen = selection.select(_tiers(tmp_path), family="runA")
     assert chosen.handler.tier is CheckpointTier.GLOBAL and chosen.step == 1000
     assert chosen.quarantined == ["global step 1001: checksum-mismatch __0_0.distcp"]
     names = sorted(p.name for p in g.iterdir())
     assert "iter_0001001.invalid-checksum-mismatch" in names
-    assert "iter_0003000" in names and layout.staging_dir_name(2000, "runA", 1) in names
+    assert "iter_0003000" in names and paths.staging_dir_name(2000, "runA", 1) in names
 
 
 def test_tie_goes_to_local_and_newer_global_beats_local(tmp_path):
@@ -77,7 +77,7 @@ def test_local_at_other_topology_is_skipped_not_quarantined(tmp_path):
     chosen = selection.select(_tiers(tmp_path), family="runA")
     assert (chosen.handler.tier, chosen.step) == (CheckpointTier.GLOBAL, 10)
     assert chosen.skipped == ["local step 20: topology-changed"] and not chosen.quarantined
-    assert (tmp_path / "local" / "0" / layout.local_file_name(20, 0)).exists()
+    assert (tmp_path / "local" / "0" / paths.local_file_name(20, 0)).exists()
 
 
 def test_ckpt_step_and_nothing_valid(tmp_path):
@@ -92,8 +92,8 @@ def test_ckpt_step_and_nothing_valid(tmp_path):
 
 
 def test_family_is_the_run_file_written_last(tmp_path):
-    layout.write_run_file(tmp_path / "global", "old")
-    layout.write_run_file(tmp_path / "local", "new")
+    paths.write_run_file(tmp_path / "global", "old")
+    paths.write_run_file(tmp_path / "local", "new")
     assert selection.agree_family([tmp_path / "global", tmp_path / "local"]) == "new"
     assert selection.agree_family([tmp_path / "nothing"]) is None
 
@@ -104,13 +104,13 @@ def test_damaged_local_file_is_quarantined_by_the_read_that_would_load_it(tmp_pa
     _local(tmp_path / "local", 10)
     _local(tmp_path / "local", 20)
     rank_dir = tmp_path / "local" / "0"
-    f = rank_dir / layout.local_file_name(20, 0)
+    f = rank_dir / paths.local_file_name(20, 0)
     f.write_bytes(b"LOCAL" + f.read_bytes()[5:])  # same size, other bytes
     tiers = _tiers(tmp_path)
     chosen = selection.select(tiers, family="runA")
     assert (chosen.handler.tier, chosen.step) == (CheckpointTier.LOCAL, 10)
     assert chosen.quarantined == [f"local step 20: checksum-mismatch {f.name}"]
     assert sorted(p.name for p in rank_dir.iterdir() if "invalid" in p.name) == sorted([
-        f"{f.name}.invalid-checksum-mismatch", f"{layout.local_manifest_name(20, 0)}.invalid-checksum-mismatch"])
+        f"{f.name}.invalid-checksum-mismatch", f"{paths.local_manifest_name(20, 0)}.invalid-checksum-mismatch"])
     kept = tiers[0]._verified[10]  # the verified bytes wait for load(): no second read
-    assert bytes(kept.numpy()) == (rank_dir / layout.local_file_name(10, 0)).read_bytes()
+    assert bytes(kept.numpy()) == (rank_dir / paths.local_file_name(10, 0)).read_bytes()

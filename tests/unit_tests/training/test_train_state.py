@@ -2,7 +2,7 @@
 
 import pytest
 
-from tierstack.training.state import TrainState
+from tierstack.train_state import TrainState
 
 
 def test_round_trip_and_unknown_keys():

@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from tierstack.checkpointing import layout, manifest
+from tierstack.checkpointing import manifest, paths
 
 _HEADER = ("tier", "step", "size", "files", "valid", "consumed", "run", "path / problem")
 
@@ -28,7 +28,7 @@ def verify(path: str) -> tuple[str, int]:
 
 
 def _is_tier_root(path: Path) -> bool:
-    if (path / layout.MANIFEST).exists() or (path / layout.TRACKER_ITERATION).exists():
+    if (path / paths.MANIFEST).exists() or (path / paths.TRACKER_ITERATION).exists():
         return True
     return any(p.is_dir() and (p.name.isdigit() or p.name.startswith("iter_")) for p in path.iterdir())
 
@@ -53,14 +53,14 @@ def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: O
 
 
 def _global_rows(root: Path, checksums: bool) -> list[tuple]:
-    dirs = [root] if (root / layout.MANIFEST).exists() else sorted(
+    dirs = [root] if (root / paths.MANIFEST).exists() else sorted(
         (p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")),
-        key=lambda p: (layout.parse_step_dir(p.name.split(".")[0]) or -1, p.name),
+        key=lambda p: (paths.parse_step_dir(p.name.split(".")[0]) or -1, p.name),
     )
     rows = []
     for d in dirs:
-        step = layout.parse_step_dir(d.name)
-        man = layout.read_json(d / layout.MANIFEST)
+        step = paths.parse_step_dir(d.name)
+        man = paths.read_json(d / paths.MANIFEST)
         if step is None:  # staging or quarantined: listed, never valid
             kind = "staging" if ".staging-" in d.name else "quarantined" if ".invalid-" in d.name else "other"
             rows.append(_row("global", d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name))
@@ -78,16 +78,16 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
     ranks = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
     for r in ranks:
         for f in (root / str(r)).iterdir():
-            parsed = layout.parse_local_file(f.name)
+            parsed = paths.parse_local_file(f.name)
             if parsed is None:
                 continue
-            man = layout.read_json(f.with_name(layout.local_manifest_name(parsed[0], parsed[1])))
+            man = paths.read_json(f.with_name(paths.local_manifest_name(parsed[0], parsed[1])))
             problem = manifest.check_manifest(man, step=parsed[0])
             if problem is None:
                 problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
             per_step[parsed[0]].append((r, man, problem))
     rows = []
-    for step in layout.sorted_steps(per_step):
+    for step in paths.sorted_steps(per_step):
         entries = per_step[step]
         problems = [f"rank {r}: {p}" for r, _, p in entries if p is not None]
         if len(entries) != len(ranks):
@@ -106,10 +106,10 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     if not rows:
         return f"{path}: no checkpoints", 2
     lines = [f"{path} ({'LOCAL' if is_local else 'GLOBAL'} tier)"]
-    tracker = path / layout.TRACKER_ITERATION
+    tracker = path / paths.TRACKER_ITERATION
     if tracker.exists():
         lines.append(f"tracker: latest step {tracker.read_text().strip()}")
-    run = layout.read_run_file(path)
+    run = paths.read_run_file(path)
     if run:
         lines.append(f"run family: {run['run_id']}")
     table = [_HEADER] + rows
