@@ -134,7 +134,7 @@ def build(cfg, root: Path) -> Bench:
     model = build_model(cfg, gpt_model_provider(cfg, vocab))
     optimizer = build_optimizer(cfg, model)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer),
-                           train_state=TrainState(), config=cfg)
+                           train_state=TrainState())
     return Bench(cfg, layout, objs, synthetic_batches(cfg, vocab), root)
 
 
@@ -349,7 +349,7 @@ def measure_resume(b: Bench, cfg, roots: list[Path], reps: int, expect) -> dict[
         for kind in ("cold", "warm"):
             if kind == "cold":
                 evict_all(*roots)
-            mgr = CheckpointManager(cfg, b.layout)
+            mgr = CheckpointManager(cfg.checkpoint, b.layout, run_config=cfg.to_dict())
             s, info = timed(lambda: mgr.resume(b.objs))
             mgr.close()
             if info is None or info.tier is not expect:
@@ -504,7 +504,7 @@ def profile_one(b: Bench, mgrs: dict, which: str, cfgs: dict) -> None:
     Stager.submit = submit
     if which in ("resume-global", "resume-local"):
         evict_all(b.root)
-        mgr = CheckpointManager(cfgs[which], b.layout)
+        mgr = CheckpointManager(cfgs[which].checkpoint, b.layout, run_config=cfgs[which].to_dict())
         fn = lambda: mgr.resume(b.objs)  # noqa: E731
     else:
         m = mgrs[which]
@@ -561,7 +561,7 @@ def main() -> int:
     # LOCAL on a tmpfs: one directory per node (torchrun's pid is the same for its ranks)
     b.tmpfs = Path(f"/dev/shm/tierstack-bench-{os.getppid()}")
     cfg_tmpfs = with_checkpoint(cfg, save=None, local_dir=str(b.tmpfs))
-    mgrs = {k: CheckpointManager(c, b.layout)  # GLOBAL ones start the writer's result channel now
+    mgrs = {k: CheckpointManager(c.checkpoint, b.layout, run_config=c.to_dict())  # GLOBAL ones start the writer's result channel now
             for k, c in (("global-sync", cfg_gsync), ("global-async", cfg_async), ("local", cfg_local),
                          ("tmpfs", cfg_tmpfs))}
     for m in mgrs.values():

@@ -21,23 +21,20 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from tierstack.checkpointing import global_writer, manifest, paths, retention, retry
-from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing import state as ckpt_state
-from tierstack.checkpointing.staging import Stager
+from tierstack.checkpointing.global_reader import GlobalReader
+from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, SaveEvent, TrainingObjects
-from tierstack.config import ConfigContainer
+from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
+from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint cannot be loaded as asked; the message says which setting to change."""
 
 
 @dataclass
@@ -53,28 +50,59 @@ class _InFlight:
     blocked_s: float = 0.0
 
 
-class GlobalTier:
-    tier = CheckpointTier.GLOBAL
+class GlobalTier(StagedTier):
+    """The GLOBAL tier (see the module docstring); implements :class:`CheckpointTierHandler`.
 
-    def __init__(self, cfg: ConfigContainer, parallel_layout: ParallelLayout, on_publish: Callable[[SaveEvent], None]):
-        c = cfg.checkpoint
+    Args:
+        cfg: the ``checkpoint`` section (``save``, ``load``, ``save_interval``, ``async_save``, ...).
+        parallel_layout: this rank's layout (recorded in each manifest).
+        run_config: the whole run config as plain dicts, written beside each checkpoint
+            (``run_config.yaml``) so that a checkpoint says how it was made.
+        on_publish: called on every rank with each published save.
+    """
+
+    tier = CheckpointTier.GLOBAL
+    persistent = True  # survives the loss of a node: the final save of a run goes here
+
+    def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
+                 run_config: Mapping[str, Any], on_publish: Callable[[SaveEvent], None] = lambda e: None):
+        super().__init__("GLOBAL")
         self.cfg = cfg
         self.layout = parallel_layout
-        self.save_root = Path(c.save) if c.save else None
-        load = c.load or c.save
+        self.run_config = run_config
+        self.save_root = Path(cfg.save) if cfg.save else None
+        load = cfg.load or cfg.save
         self.load_root = Path(load) if load else None
+        self._reader = GlobalReader(cfg, parallel_layout)
         self._on_publish = on_publish
         self._warmup = None
-        self._stager = Stager("GLOBAL")
-        self._in_flight: Optional[_InFlight] = None
-        self.failures: list[int] = []  # steps whose save failed (the manager decides what to do)
-        self.last_durable_s: Optional[float] = None  # start of the last published save to its publish
+        self.published: list[int] = []  # steps this process published
         if self.save_root is not None:
             self._prewarm_writer()
 
     @property
     def enabled(self) -> bool:
         return self.load_root is not None or self.save_root is not None
+
+    @property
+    def saves(self) -> bool:
+        return self.save_root is not None
+
+    @property
+    def interval(self) -> Optional[int]:
+        return self.cfg.save_interval
+
+    @property
+    def run_root(self) -> Optional[Path]:
+        return self.load_root
+
+    def claim(self, run_id: str) -> None:
+        """Rank 0 writes the run file of a fresh run into the save root (one shared directory)."""
+        if self.save_root is not None and _dist.rank() == 0:
+            paths.write_run_file(self.save_root, run_id)
+
+    def saved_steps(self) -> list[int]:
+        return list(self.published)
 
     # ------------------------------------------------------------------ strategies
     def _prewarm_writer(self) -> None:
@@ -108,20 +136,8 @@ class GlobalTier:
         from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
         strategy = get_default_save_sharded_strategy("torch_dist")
-        if self.cfg.checkpoint.fully_parallel_save:
+        if self.cfg.fully_parallel_save:
             strategy = FullyParallelSaveStrategyWrapper(
-                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
-            )
-        return strategy
-
-    def _load_strategy(self, path: Path):
-        from megatron.core import parallel_state
-        from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-
-        strategy = get_default_load_sharded_strategy(str(path))
-        if self.cfg.checkpoint.fully_parallel_load:
-            strategy = FullyParallelLoadStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True)
             )
         return strategy
@@ -133,7 +149,7 @@ class GlobalTier:
         when the save failed on some rank."""
         if self.save_root is None:
             return None
-        c = self.cfg.checkpoint
+        c = self.cfg
         self._wait_warm()
         t0 = time.perf_counter()
         self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
@@ -147,7 +163,7 @@ class GlobalTier:
 
         def attempt(n: int):
             staging = self.save_root / paths.staging_dir_name(step, run_id, n)
-            retry.run_agreed(lambda: self._make_staging(staging, objs.config))
+            retry.run_agreed(lambda: self._make_staging(staging))
             # Rebuilt per attempt: dist_checkpointing preprocesses the dict in place.
             sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
             return staging, self._plan(sd, staging)
@@ -179,18 +195,15 @@ class GlobalTier:
         """Stage the tensors into the reused buffers, then let megatron plan the write (collective)."""
         from megatron.core import dist_checkpointing
 
-        box = {}
-
         def plan():
             global_writer.stage_sharded_tensors(sd, self._stager)
-            box["request"] = dist_checkpointing.save(
+            return dist_checkpointing.save(
                 sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True
             )
 
-        retry.run_agreed(plan)
-        return box["request"]
+        return retry.run_agreed(plan)
 
-    def _make_staging(self, staging: Path, cfg: ConfigContainer) -> None:
+    def _make_staging(self, staging: Path) -> None:
         if _dist.rank() == 0:
             if staging.exists():
                 shutil.rmtree(staging)
@@ -205,26 +218,23 @@ class GlobalTier:
         checksummed here, split over ranks.
         """
 
-        def run_config_and_names():
-            if _dist.rank() == 0:
-                from omegaconf import OmegaConf
+        def run_config_and_names() -> Optional[list[str]]:
+            if _dist.rank() != 0:
+                return None
+            from omegaconf import OmegaConf
 
-                text = OmegaConf.to_yaml(OmegaConf.create(self.cfg.to_dict()))
-                (staging / paths.RUN_CONFIG).write_text(text)
-                box.append(manifest.list_files(staging))
+            (staging / paths.RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(dict(self.run_config))))
+            return manifest.list_files(staging)
 
-        box: list = []
-        retry.run_agreed(run_config_and_names)
-        names = _dist.broadcast_object(box[0] if box else None)
+        names = _dist.broadcast_object(retry.run_agreed(run_config_and_names))
         written: dict = {}
         for part in _dist.all_gather_object(described):
             written.update(part)
         rest = [n for n in names if n not in written]
         mine = rest[_dist.rank():: _dist.world_size()]
-        parts: list = []
-        retry.run_agreed(lambda: parts.append(manifest.describe_files(staging, mine)))
+        described_here = retry.run_agreed(lambda: manifest.describe_files(staging, mine))
         files: dict = dict(written)
-        for part in _dist.all_gather_object(parts[0]):
+        for part in _dist.all_gather_object(described_here):
             files.update(part)
         if set(files) != set(names):
             raise retry.SaveAttemptFailed(retry.PERMANENT, RuntimeError(
@@ -258,9 +268,10 @@ class GlobalTier:
         log.info("GLOBAL checkpoint of step %d published at %s (%d bytes, blocked %.2fs)", step, path, size, blocked_s)
         if _dist.rank() == 0:
             try:
-                retention.prune_global(self.save_root, run_id, step, self.cfg.checkpoint.most_recent_k)
+                retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k)
             except OSError as e:  # retention never fails a save
                 log.warning("GLOBAL retention after step %d failed: %s", step, e)
+        self.published.append(step)
         self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s))
 
     # ------------------------------------------------------------------ finalize
@@ -268,12 +279,9 @@ class GlobalTier:
         """Collective: publish the save in flight once its writer ended on every rank (or wait for
         it when ``blocking``). A failure on any rank fails it on every rank: the staging directory
         is removed and the step recorded in ``failures``."""
-        job = self._in_flight
+        job: Optional[_InFlight] = self._take_ended(blocking)
         if job is None:
             return
-        if not blocking and not _dist.all_true(job.job.done()):
-            return  # a sync point per step while a save is in flight: one small all-reduce
-        self._in_flight = None
         t0 = time.perf_counter()
         error = job.job.exception()
         if error is not None:
@@ -295,14 +303,6 @@ class GlobalTier:
             return
         self.last_durable_s = time.perf_counter() - job.started
         self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
-
-    @property
-    def in_flight(self) -> int:
-        return 0 if self._in_flight is None else 1
-
-    @property
-    def staging_bytes(self) -> int:
-        return self._stager.nbytes
 
     # ------------------------------------------------------------------ resume
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
@@ -334,64 +334,12 @@ class GlobalTier:
             target = paths.quarantine(cand.path, reason)
             log.warning("GLOBAL checkpoint %s is invalid (%s): moved to %s", cand.path, reason, target.name)
 
-    def load(self, step: int, objs: TrainingObjects, *, model_only: bool = False) -> str:
-        from megatron.core import dist_checkpointing
-
-        c = self.cfg.checkpoint
-        path = self.load_root / paths.step_dir_name(step)
-        man = paths.read_json(path / paths.MANIFEST) or {}
-        saved, now = man.get("topology", {}), self.layout.topology()
-        optim = self._load_optim_decision(man, objs, model_only)
-        rng = c.load_rng and not model_only and man.get("has_rng", True) and saved == now
-        if c.load_rng and not model_only and saved != now:
-            log.warning("GLOBAL load: topology changed %s -> %s; per-rank RNG state not restored", saved, now)
-        sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)
-        loaded = dist_checkpointing.load(sd, str(path), sharded_strategy=self._load_strategy(path))
-        if model_only:
-            with torch.no_grad():
-                ckpt_state.unwrap(objs.model[0]).load_state_dict(loaded[ckpt_state.MODEL], strict=True)
-                for opt in ckpt_state.inner_optimizers(objs.optimizer):
-                    if hasattr(opt, "reload_model_params"):
-                        opt.reload_model_params()
-        else:
-            ckpt_state.apply(objs, loaded, optim=optim, rng=rng)
-        return str(path)
-
-    def _load_optim_decision(self, man: dict, objs: TrainingObjects, model_only: bool) -> bool:
-        """Whether to load optimizer state; a load that cannot be exact is an error, never a silent reset."""
-        if model_only or not self.cfg.checkpoint.load_optim:
-            return False
-        if not man.get("has_optimizer", True):
-            raise CheckpointLoadError(
-                "checkpoint has no optimizer state (saved with checkpoint.save_optim=false); "
-                "set checkpoint.load_optim=false to load the model only"
-            )
-        saved, now = man.get("topology", {}), self.layout.topology()
-        dist_now = ckpt_state.uses_distributed_optimizer(objs.optimizer)
-        dist_saved = bool(man.get("distributed_optimizer", False))
-        same_mp = all(
-            saved.get(k) == now[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-        )
-        if dist_now != dist_saved:
-            raise CheckpointLoadError(
-                f"checkpoint optimizer state was saved with use_distributed_optimizer={dist_saved}, this run "
-                f"uses {dist_now}; set optimizer.use_distributed_optimizer={dist_saved} or "
-                "checkpoint.load_optim=false (model weights only, fresh optimizer)"
-            )
-        if dist_now and not same_mp:
-            raise CheckpointLoadError(
-                "DistributedOptimizer state can change data-parallel size only (dp_reshardable), but TP/PP "
-                f"changed from {saved.get('tensor_model_parallel_size')}/{saved.get('pipeline_model_parallel_size')}"
-                f" to {now['tensor_model_parallel_size']}/{now['pipeline_model_parallel_size']}; "
-                "set checkpoint.load_optim=false to load the model weights only"
-            )
-        return True
+    def load(self, step: int, objs: TrainingObjects) -> str:
+        """Collective: restore ``objs`` from step ``step`` of the load root (see :class:`GlobalReader`)."""
+        return self._reader.load(self.load_root, step, objs)
 
     def close(self) -> None:
         """Collective: publish (or fail) the save in flight, stop the writer, free the buffers."""
         # A warm-up still talking to the Manager when the process exits dies with EOFError.
         self._wait_warm()
-        try:
-            self.finalize(blocking=True)
-        finally:
-            self._stager.close()
+        super().close()

@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Optional
 
 from tierstack.checkpointing import local_file, manifest, paths, retention, retry
-from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing import state as ckpt_state
-from tierstack.checkpointing.staging import Stager
+from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
-from tierstack.config import ConfigContainer
+from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
+from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 
@@ -50,28 +50,49 @@ class _InFlight:
     job: Future
 
 
-class LocalTier:
-    tier = CheckpointTier.LOCAL
+class LocalTier(StagedTier):
+    """The LOCAL tier (see the module docstring); implements :class:`CheckpointTierHandler`.
 
-    def __init__(self, cfg: ConfigContainer, parallel_layout: ParallelLayout):
+    Args:
+        cfg: the ``checkpoint`` section (``local_dir``, ``local_save_interval``, ``most_recent_k``, ...).
+        parallel_layout: this rank's layout; a LOCAL checkpoint loads only at the same one.
+    """
+
+    tier = CheckpointTier.LOCAL
+    persistent = False  # node-local: lost with the node
+
+    def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout):
+        super().__init__("LOCAL")
         self.cfg = cfg
         self.layout = parallel_layout
-        self.root = Path(cfg.checkpoint.local_dir) if cfg.checkpoint.local_dir else None
-        self._stager = Stager("LOCAL")
+        self.root = Path(cfg.local_dir) if cfg.local_dir else None
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
-        self._in_flight: Optional[_InFlight] = None
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
-        self.failures: list[int] = []
         self.sealed: list[int] = []  # steps sealed on every rank by this process
-        self.last_durable_s: Optional[float] = None  # start of the last sealed save to its agreement
 
     @property
     def enabled(self) -> bool:
         return self.root is not None
 
     @property
-    def staging_bytes(self) -> int:
-        return self._stager.nbytes
+    def saves(self) -> bool:
+        return self.root is not None
+
+    @property
+    def interval(self) -> Optional[int]:
+        return self.cfg.local_save_interval
+
+    @property
+    def run_root(self) -> Optional[Path]:
+        return self.root
+
+    def claim(self, run_id: str) -> None:
+        """Local rank 0 of each node writes the run file of a fresh run into the (node-local) root."""
+        if self.root is not None and self.layout.local_rank == 0:
+            paths.write_run_file(self.root, run_id)
+
+    def saved_steps(self) -> list[int]:
+        return list(self.sealed)
 
     @property
     def rank_dir(self) -> Path:
@@ -94,16 +115,15 @@ class LocalTier:
         self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
         step = objs.train_state.step
         captured = dict(objs.train_state.state_dict())
-        box: dict = {}
         try:
-            retry.run_agreed(lambda: box.update(self._stage(objs)))
+            staged = retry.run_agreed(lambda: self._stage(objs))
         except retry.SaveAttemptFailed as e:
             log.error("LOCAL checkpoint of step %d NOT saved: staging failed (%s)", step, e)
             self.failures.append(step)
             return None
-        extra = {"has_optimizer": self.cfg.checkpoint.save_optim, "has_rng": self.cfg.checkpoint.save_rng,
+        extra = {"has_optimizer": self.cfg.save_optim, "has_rng": self.cfg.save_rng,
                  "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer)}
-        job = self._stager.submit(self._write_and_seal, step, run_id, captured, box["header"], box["buffers"], extra)
+        job = self._stager.submit(self._write_and_seal, step, run_id, captured, staged["header"], staged["buffers"], extra)
         blocked = time.perf_counter() - t0
         self._in_flight = _InFlight(step, run_id, t0, blocked, job)
         if self.layout.rank == 0:
@@ -113,7 +133,7 @@ class LocalTier:
     def _stage(self, objs: TrainingObjects) -> dict:
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
-        c = self.cfg.checkpoint
+        c = self.cfg
         sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
         tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
             sd, algo="fully_parallel", cached_metadata=self._distribution)
@@ -123,7 +143,7 @@ class LocalTier:
     def _write_and_seal(self, step: int, run_id: str, train_state: dict, header: bytes, buffers: list,
                         extra: dict) -> int:
         """Writer thread: write this rank's file and manifest; transient I/O errors retried here."""
-        c = self.cfg.checkpoint
+        c = self.cfg
         ckpt, man_path = self._paths(step)
         self.rank_dir.mkdir(parents=True, exist_ok=True)
         for n in range(1, max(1, c.save_retries) + 1):
@@ -154,12 +174,9 @@ class LocalTier:
         Sealed everywhere: the step counts as saved and retention runs. Failed anywhere: every rank
         removes its files of that step and the step is recorded in ``failures``.
         """
-        job = self._in_flight
+        job: Optional[_InFlight] = self._take_ended(blocking)
         if job is None:
             return
-        if not blocking and not _dist.all_true(job.job.done()):
-            return  # a sync point per step while a save is in flight: one small all-reduce
-        self._in_flight = None
         error = job.job.exception()
         if error is not None:
             log.error("LOCAL write of step %d failed on rank %d: %r", job.step, self.layout.rank, error)
@@ -175,23 +192,12 @@ class LocalTier:
             paths.write_run_file(self.root, job.run_id)
         try:
             retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step,
-                                  self.cfg.checkpoint.most_recent_k)
+                                  self.cfg.most_recent_k)
         except OSError as e:
             log.warning("LOCAL retention after step %d failed: %s", job.step, e)
         if self.layout.rank == 0:
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
                      job.step, self.root, job.blocked_s, self.last_durable_s)
-
-    @property
-    def in_flight(self) -> int:
-        return 0 if self._in_flight is None else 1
-
-    def close(self) -> None:
-        """Collective: seal (or fail) the save in flight, then stop the writer and free the buffers."""
-        try:
-            self.finalize(blocking=True)
-        finally:
-            self._stager.close()
 
     # ------------------------------------------------------------------ resume
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
@@ -237,7 +243,7 @@ class LocalTier:
         log.warning("LOCAL checkpoint step %d of rank %d is invalid (%s): quarantined", cand.step, self.layout.rank, reason)
 
     def load(self, step: int, objs: TrainingObjects) -> str:
-        c = self.cfg.checkpoint
+        c = self.cfg
         man = paths.read_json(self._paths(step)[1]) or {}
         optim = c.load_optim and man.get("has_optimizer", True)
         rng = c.load_rng and man.get("has_rng", True)

@@ -1,4 +1,9 @@
-"""``CheckpointManager``: the one object the training loop talks to about checkpoints."""
+"""``CheckpointManager``: the one object the training loop talks to about checkpoints.
+
+The manager holds the policy (when each tier saves, once per step and tier, fast tiers first, the
+preflight shared by the tiers of a step, what a failure does, where the last state goes) and no
+tier-specific code: every tier is a :class:`~tierstack.checkpointing.types.CheckpointTierHandler`.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,22 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import paths, preflight, selection
-from tierstack.runtime import collectives as _dist
-from tierstack.checkpointing.global_tier import CheckpointLoadError, GlobalTier
+from tierstack.checkpointing import preflight, selection
+from tierstack.checkpointing.global_reader import CheckpointLoadError, GlobalReader
+from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
-from tierstack.checkpointing.types import CheckpointTier, ResumeInfo, SaveEvent, TrainingObjects
-from tierstack.config import ConfigContainer
+from tierstack.checkpointing.types import (
+    CheckpointTier,
+    CheckpointTierHandler,
+    ResumeInfo,
+    SaveEvent,
+    TrainingObjects,
+)
+from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
+from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 
@@ -23,29 +35,47 @@ class CheckpointSaveError(RuntimeError):
     """A save failed on some rank and ``checkpoint.exit_on_save_failure`` is set."""
 
 
+def build_tiers(
+    cfg: CheckpointConfig,
+    parallel_layout: ParallelLayout,
+    *,
+    run_config: Mapping[str, Any],
+    on_publish: Callable[[SaveEvent], None],
+) -> list[CheckpointTierHandler]:
+    """The tiers of a run, fastest first (the order in which a step's saves start)."""
+    return [
+        LocalTier(cfg, parallel_layout),
+        GlobalTier(cfg, parallel_layout, run_config=run_config, on_publish=on_publish),
+    ]
+
+
 class CheckpointManager:
-    """Both tiers behind one interface. Every public method is collective (call it on all ranks).
+    """Every tier behind one interface. Every public method is collective (call it on all ranks).
 
     Args:
-        cfg: the run config (``checkpoint`` section decides what is saved where and when).
-        layout: this rank's parallel layout (LOCAL checkpoints record and require it).
+        cfg: the ``checkpoint`` section.
+        parallel_layout: this rank's parallel layout.
+        run_config: the whole run config as plain dicts (recorded beside GLOBAL checkpoints).
         listeners: called on every rank after each *published* GLOBAL save (never for LOCAL).
+        tiers: the tier handlers, fastest first; default :func:`build_tiers` (tests pass their own).
     """
 
-    def __init__(self, cfg: ConfigContainer, layout: ParallelLayout,
-                 listeners: Sequence[Callable[[SaveEvent], None]] = ()):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        parallel_layout: ParallelLayout,
+        *,
+        run_config: Optional[Mapping[str, Any]] = None,
+        listeners: Sequence[Callable[[SaveEvent], None]] = (),
+        tiers: Optional[Sequence[CheckpointTierHandler]] = None,
+    ):
         self.cfg = cfg
-        self.layout = layout
+        self.layout = parallel_layout
         self._listeners = list(listeners)
-        self._tiers = {
-            CheckpointTier.LOCAL: LocalTier(cfg, layout),
-            CheckpointTier.GLOBAL: GlobalTier(cfg, layout, self._notify),
-        }
-        self._intervals = {
-            CheckpointTier.LOCAL: cfg.checkpoint.local_save_interval,
-            CheckpointTier.GLOBAL: cfg.checkpoint.save_interval,
-        }
-        self._last_saved: dict[CheckpointTier, Optional[int]] = {t: None for t in CheckpointTier}
+        if tiers is None:
+            tiers = build_tiers(cfg, parallel_layout, run_config=run_config or {}, on_publish=self._notify)
+        self._tiers = {t.tier: t for t in tiers}  # insertion order: fastest first
+        self._last_saved: dict[CheckpointTier, Optional[int]] = {t: None for t in self._tiers}
         self._preflight: tuple[Optional[int], bool] = (None, False)
         self._closed = False
         self.events: list[SaveEvent] = []  # published GLOBAL saves of this process (for tests/benchmarks)
@@ -60,7 +90,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ resume
     def resume(self, objs: TrainingObjects) -> Optional[ResumeInfo]:
-        """Collective: restore ``objs`` from the newest valid checkpoint of either tier.
+        """Collective: restore ``objs`` from the newest valid checkpoint of any tier.
 
         Returns:
             What was loaded, or None for a fresh start (``objs.train_state.run_id`` is then a new
@@ -72,11 +102,10 @@ class CheckpointManager:
                 checkpoint, ``exit_on_missing_checkpoint`` finds nothing, or the chosen checkpoint
                 cannot be loaded exactly at this topology.
         """
-        c = self.cfg.checkpoint
         t0 = time.perf_counter()
-        g, loc = self._tiers[CheckpointTier.GLOBAL], self._tiers[CheckpointTier.LOCAL]
-        family = selection.agree_family([g.load_root, loc.root])
-        chosen = selection.select(list(self._tiers.values()), family=family, ckpt_step=c.ckpt_step)
+        handlers = list(self._tiers.values())
+        family = selection.agree_family([h.run_root for h in handlers])
+        chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step)
         if chosen.handler is None:
             return self._fresh_start(objs, chosen)
         path = chosen.handler.load(chosen.step, objs)
@@ -89,66 +118,47 @@ class CheckpointManager:
         return info
 
     def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection) -> None:
-        c = self.cfg.checkpoint
+        c = self.cfg
         if chosen.quarantined and not c.allow_fresh_start_on_invalid:
             raise CheckpointLoadError(
                 "checkpoints exist but none is valid (" + "; ".join(chosen.quarantined) + "; quarantined as "
                 "*.invalid-<reason>); fix them or set checkpoint.allow_fresh_start_on_invalid=true"
             )
         if c.ckpt_step is not None:
-            raise CheckpointLoadError(f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in either tier")
+            raise CheckpointLoadError(f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in any tier")
         if c.exit_on_missing_checkpoint:
             raise CheckpointLoadError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")
         run_id = _dist.broadcast_object(uuid.uuid4().hex[:12])
         objs.train_state.run_id = run_id
         # Claim the tier roots for this run now, so a crash before the first GLOBAL save still
         # leaves LOCAL checkpoints of a recognisable family.
-        g, loc = self._tiers[CheckpointTier.GLOBAL], self._tiers[CheckpointTier.LOCAL]
-        if g.save_root is not None and _dist.rank() == 0:
-            paths.write_run_file(g.save_root, run_id)
-        if loc.root is not None and self.layout.local_rank == 0:
-            paths.write_run_file(loc.root, run_id)
+        for handler in self._tiers.values():
+            handler.claim(run_id)
         _dist.barrier()
         if c.pretrained_checkpoint:
-            self._load_pretrained(objs, Path(c.pretrained_checkpoint))
+            GlobalReader(c, self.layout).load_pretrained(Path(c.pretrained_checkpoint), objs)
         if _dist.rank() == 0:
             log.info("no checkpoint to resume from: fresh start, run %s", run_id)
         return None
 
-    def _load_pretrained(self, objs: TrainingObjects, path: Path) -> None:
-        """Model weights only (fine-tuning): a step directory, or a GLOBAL root with a tracker."""
-        root, step = path.parent, paths.parse_step_dir(path.name)
-        if step is None:
-            root = path
-            step = int((path / paths.TRACKER_ITERATION).read_text().strip())
-        tier = GlobalTier(self.cfg, self.layout, lambda e: None)
-        tier.load_root = root
-        tier.load(step, objs, model_only=True)
-        if _dist.rank() == 0:
-            log.info("loaded pretrained weights of step %d from %s", step, root)
-
     # ------------------------------------------------------------------ save
     def maybe_save(self, objs: TrainingObjects) -> None:
         """Collective, after every optimizer step: seal/publish the background saves that ended on
-        every rank, then save each tier whose interval divides the step."""
+        every rank, then save each tier whose interval divides the step (fastest tier first)."""
         for handler in self._tiers.values():
             handler.finalize(blocking=False)
         self._raise_if_failed()
         step = objs.train_state.step
-        for tier in (CheckpointTier.LOCAL, CheckpointTier.GLOBAL):  # LOCAL first: it is the fast one
-            interval = self._intervals[tier]
-            if interval and step > 0 and step % interval == 0:
+        for tier, handler in self._tiers.items():
+            if handler.interval and step > 0 and step % handler.interval == 0:
                 self.save(tier, objs)
 
     def save(self, tier: CheckpointTier, objs: TrainingObjects) -> None:
-        """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier."""
+        """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier;
+        the preflight (all parameters finite) runs once per step, whatever the number of tiers."""
         handler = self._tiers[tier]
         step = objs.train_state.step
-        if self._closed or not handler.enabled or self._last_saved[tier] == step:
-            return
-        if tier is CheckpointTier.GLOBAL and handler.save_root is None:
-            return
-        if tier is CheckpointTier.LOCAL and handler.root is None:
+        if self._closed or not handler.saves or self._last_saved[tier] == step:
             return
         if self._preflight[0] != step:
             self._preflight = (step, preflight.all_finite(objs.model))
@@ -161,42 +171,62 @@ class CheckpointManager:
         self._last_saved[tier] = step
         self._raise_if_failed()
 
+    def final_tier(self) -> Optional[CheckpointTier]:
+        """Where the last state of a run goes: the first persistent tier that saves, else the first
+        that saves at all (GLOBAL survives the loss of a node; LOCAL is better than nothing)."""
+        saving = [h for h in self._tiers.values() if h.saves]
+        persistent = [h for h in saving if h.persistent]
+        chosen = (persistent or saving or [None])[0]
+        return None if chosen is None else chosen.tier
+
+    def save_final(self, objs: TrainingObjects) -> None:
+        """Collective: keep the last state in :meth:`final_tier` unless that tier holds this step already."""
+        tier = self.final_tier()
+        if tier is not None and self._last_saved[tier] != objs.train_state.step:
+            self.save(tier, objs)
+
     def _raise_if_failed(self) -> None:
         failed = {t.value: list(h.failures) for t, h in self._tiers.items() if h.failures}
-        if failed and self.cfg.checkpoint.exit_on_save_failure:
+        if failed and self.cfg.exit_on_save_failure:
             raise CheckpointSaveError(f"checkpoint save failed {failed}; checkpoint.exit_on_save_failure=true")
 
+    # ------------------------------------------------------------------ queries
     def last_saved_step(self, tier: CheckpointTier) -> Optional[int]:
         """Step of the last save of ``tier`` started (or loaded) by this process, None if none."""
         return self._last_saved[tier]
 
     def saved_steps(self, tier: CheckpointTier) -> list[int]:
-        """Steps this process saved in ``tier`` that are published (GLOBAL) or sealed on every rank (LOCAL)."""
-        if tier is CheckpointTier.LOCAL:
-            return list(self._tiers[CheckpointTier.LOCAL].sealed)
-        return [e.step for e in self.events]
+        """Steps this process saved in ``tier`` that are published / sealed on every rank."""
+        return self._tiers[tier].saved_steps()
 
     def staging_bytes(self, tier: CheckpointTier) -> int:
         """Bytes of host staging memory ``tier`` holds on this rank (kept between saves)."""
-        return int(getattr(self._tiers[tier], "staging_bytes", 0))
+        return int(self._tiers[tier].staging_bytes)
 
     def in_flight(self, tier: CheckpointTier) -> int:
         """Saves of ``tier`` handed to the background writer and not yet sealed/published (0 or 1)."""
         return int(self._tiers[tier].in_flight)
 
+    # ------------------------------------------------------------------ end
     def wait(self) -> None:
-        """Collective: block until every in-flight save of both tiers is sealed/published (or failed)."""
+        """Collective: block until every in-flight save of every tier is sealed/published (or failed)."""
         for handler in self._tiers.values():
             handler.finalize(blocking=True)
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Collective: publish every in-flight async save, then stop the async writer. Idempotent."""
+        """Collective: finalize every in-flight save and stop every writer, each tier even when
+        another one's close raised (the first such error is raised after all are closed); then
+        :class:`CheckpointSaveError` if a save failed and ``exit_on_save_failure`` is set. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._tiers[CheckpointTier.LOCAL].close()
-        finally:
-            self._tiers[CheckpointTier.GLOBAL].close()
+        errors: list[BaseException] = []
+        for handler in self._tiers.values():
+            try:
+                handler.close()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
+                errors.append(e)
+        if errors:
+            raise errors[0]
         self._raise_if_failed()

@@ -76,18 +76,22 @@ def agree(local_error: Optional[BaseException], reduce_max: Callable[[int], int]
         raise SaveAttemptFailed(outcome, local_error)
 
 
-def run_agreed(fn: Callable[[], object]) -> None:
+def run_agreed(fn: Callable[[], T]) -> T:
     """Collective: run a rank-local piece of a save, then make every rank agree on how it ended.
+
+    Returns:
+        What ``fn`` returned on this rank (when it succeeded on every rank).
 
     Raises:
         SaveAttemptFailed: on every rank, when ``fn`` raised on any rank.
     """
-    err = None
+    result, err = None, None
     try:
-        fn()
+        result = fn()
     except Exception as e:  # noqa: BLE001 - classified by agree()
         err = e
     agree(err)
+    return result  # type: ignore[return-value]
 
 
 def run_attempts(

@@ -102,3 +102,49 @@ class Stager:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._buffers, self._signature, self._job = [], None, None
+
+
+class StagedTier:
+    """What every tier that saves through a :class:`Stager` shares: the one save in flight, the
+    staging buffers, the failed steps, and closing (finalize, then stop the writer).
+
+    A subclass sets ``self._in_flight`` when it hands a save to ``self._stager`` and implements
+    ``finalize`` with :meth:`_take_ended`.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._stager = Stager(name)
+        self._in_flight = None  # the save handed to the writer and not yet finalized (one at most)
+        self.failures: list[int] = []  # steps whose save failed on some rank (the manager decides what follows)
+        self.last_durable_s: Optional[float] = None  # start of the last finalized save to its agreement
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self._in_flight is None else 1
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._stager.nbytes
+
+    def _take_ended(self, blocking: bool):
+        """Collective: the save in flight, taken out of flight, once its writer ended on every rank
+        (``blocking``: whenever it ends); None while it is still running somewhere, or with none."""
+        from tierstack.runtime import collectives
+
+        job = self._in_flight
+        if job is None:
+            return None
+        if not blocking and not collectives.all_true(job.job.done()):
+            return None  # a sync point per step while a save is in flight: one small all-reduce
+        self._in_flight = None
+        return job
+
+    def finalize(self, blocking: bool) -> None:  # pragma: no cover - every tier defines it
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Collective: finalize the save in flight (blocking), then stop the writer and free the buffers."""
+        try:
+            self.finalize(blocking=True)
+        finally:
+            self._stager.close()

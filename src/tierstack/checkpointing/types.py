@@ -5,11 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import torch
 
-from tierstack.config import ConfigContainer
 from tierstack.train_state import TrainState
 
 
@@ -26,7 +25,6 @@ class TrainingObjects:
     optimizer: Any  # megatron ChainedOptimizer / DistributedOptimizer / FP32Optimizer
     scheduler: Any  # megatron OptimizerParamScheduler
     train_state: TrainState
-    config: ConfigContainer
 
 
 @dataclass(frozen=True)
@@ -62,15 +60,48 @@ class Candidate:
 
 
 class CheckpointTierHandler(Protocol):
-    """One tier. All methods are collective (every rank calls them, in the same order)."""
+    """One tier: everything :class:`~tierstack.checkpointing.manager.CheckpointManager` and resume
+    selection use, so that neither holds a branch per tier. A new tier implements this and is added
+    to :func:`~tierstack.checkpointing.manager.build_tiers`.
+
+    Every method is collective (every rank calls it, in the same order) unless it says otherwise.
+    """
 
     tier: CheckpointTier
+    persistent: ClassVar[bool]  # survives the loss of a node (the final save of a run prefers such a tier)
+    failures: list[int]  # steps whose save failed on some rank, in order (the manager decides what follows)
 
     @property
-    def enabled(self) -> bool: ...
+    def enabled(self) -> bool:
+        """Configured at all: to save or to resume from (not collective)."""
+        ...
+
+    @property
+    def saves(self) -> bool:
+        """Configured to save (a tier may be read-only, e.g. GLOBAL with ``load`` but no ``save``)."""
+        ...
+
+    @property
+    def interval(self) -> Optional[int]:
+        """Iterations between interval saves; None = only final and planned-exit saves."""
+        ...
+
+    @property
+    def run_root(self) -> Optional[Path]:
+        """Where the tier's ``run.json`` is read from to agree on the run family (None: nowhere)."""
+        ...
+
+    def claim(self, run_id: str) -> None:
+        """At a fresh start: write ``run.json`` of ``run_id`` where the tier saves (on the right ranks)."""
+        ...
 
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
-        """This rank's view of the tier's checkpoints of ``run_id`` (validated; no quarantine)."""
+        """This rank's view of the tier's checkpoints of ``run_id`` (header checks; no quarantine; not collective)."""
+        ...
+
+    def verify(self, candidate: Candidate) -> Optional[str]:
+        """This rank's part of the full check of ``candidate`` (sizes, checksums): None when valid,
+        else ``"<reason> ..."`` (the first word names the quarantine)."""
         ...
 
     def quarantine(self, candidate: Candidate, reason: str) -> None:
@@ -98,7 +129,16 @@ class CheckpointTierHandler(Protocol):
 
     @property
     def in_flight(self) -> int:
-        """Saves handed to the writer and not yet finalized (0 or 1)."""
+        """Saves handed to the writer and not yet finalized (0 or 1; not collective)."""
+        ...
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of host staging memory the tier keeps between saves on this rank (not collective)."""
+        ...
+
+    def saved_steps(self) -> list[int]:
+        """Steps this process saved that are sealed/published on every rank (not collective)."""
         ...
 
     def close(self) -> None:

@@ -119,8 +119,8 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
 
     tracker = _build_experiment_tracker(cfg, layout)
     listeners = [tracker.log_checkpoint] if tracker is not None else []
-    ckpt = CheckpointManager(cfg, layout, listeners=listeners)
-    objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state, config=cfg)
+    ckpt = CheckpointManager(cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=listeners)
+    objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     resume_info = ckpt.resume(objs)
     if tracker is not None:
         run_id = tracker.start(

@@ -49,7 +49,7 @@ def train(
     from tierstack.checkpointing import TrainingObjects
 
     cfg, ts = s.config, s.train_state
-    objs = TrainingObjects(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, train_state=ts, config=cfg)
+    objs = TrainingObjects(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, train_state=ts)
     if ts.step >= cfg.train.train_iters:
         log.info(
             "nothing to do: resumed at iteration %d and train.train_iters=%d; raise train.train_iters to go on",
@@ -92,7 +92,7 @@ def train(
         if stop:
             break
         s.checkpoint_manager.maybe_save(objs)
-    _save_final(s, objs)
+    s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
     if stop:
         log.warning("stopping at iteration %d: %s", ts.step, stop)
         if s.experiment_tracker is not None:
@@ -168,16 +168,6 @@ def _publish_metrics(s: SetupOutput, step: int, metrics: dict, progress, history
         history.append(step, metrics)
     if s.experiment_tracker is not None:
         s.experiment_tracker.log_metrics(step, metrics)
-
-
-def _save_final(s: SetupOutput, objs) -> None:
-    """Keep the last state: in GLOBAL when configured (it survives losing the node), else LOCAL."""
-    from tierstack.checkpointing import CheckpointTier
-
-    c = s.config.checkpoint
-    tier = CheckpointTier.GLOBAL if c.save is not None else (CheckpointTier.LOCAL if c.local_dir is not None else None)
-    if tier is not None and s.checkpoint_manager.last_saved_step(tier) != objs.train_state.step:
-        s.checkpoint_manager.save(tier, objs)
 
 
 def _current_lr(optimizer) -> float:

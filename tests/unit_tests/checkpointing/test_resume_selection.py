@@ -5,7 +5,7 @@ from tierstack.checkpointing import manifest, paths, selection
 from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import CheckpointTier
-from tierstack.config import ConfigContainer
+from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
 
 LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
@@ -14,10 +14,8 @@ LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_paralle
 
 
 def _cfg(tmp_path):
-    cfg = ConfigContainer()
-    cfg.checkpoint.load = str(tmp_path / "global")  # load only: no writer is started
-    cfg.checkpoint.local_dir = str(tmp_path / "local")
-    return cfg
+    # load only: no GLOBAL writer is started
+    return CheckpointConfig(load=str(tmp_path / "global"), local_dir=str(tmp_path / "local"))
 
 
 def _global(root, step, run_id="runA"):
@@ -42,7 +40,7 @@ def _local(root, step, run_id="runA", topology=None):
 
 def _tiers(tmp_path):
     cfg = _cfg(tmp_path)
-    return [LocalTier(cfg, LAYOUT), GlobalTier(cfg, LAYOUT, lambda e: None)]
+    return [LocalTier(cfg, LAYOUT), GlobalTier(cfg, LAYOUT, run_config={})]
 
 
 def test_newest_valid_wins_and_invalid_is_quarantined(tmp_path):

@@ -1,0 +1,209 @@
+"""CheckpointManager's policy, single process, with recording tiers in place of LOCAL and GLOBAL.
+
+The fakes implement the tier Protocol and record every call in one shared journal, so the tests
+check what the manager decides (intervals, once per step and tier, order, preflight, failures, the
+final tier, close) and nothing of how a tier writes. The model is a real (tiny) torch module: the
+preflight runs for real on its parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from tierstack.checkpointing import CheckpointManager, CheckpointSaveError, CheckpointTier, TrainingObjects
+from tierstack.checkpointing import preflight as preflight_module
+from tierstack.config import CheckpointConfig
+from tierstack.runtime import ParallelLayout
+from tierstack.train_state import TrainState
+
+LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
+                        pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,
+                        pipeline_model_parallel_rank=0, data_parallel_rank=0)
+
+
+class FakeTier:
+    """A tier that records calls; ``fail_at`` steps fail (as a real tier reports it: in ``failures``)."""
+
+    def __init__(self, tier, journal, *, interval=None, saves=True, persistent=False, fail_at=(), close_error=None):
+        self.tier, self.journal = tier, journal
+        self.interval, self.saves, self.persistent = interval, saves, persistent
+        self.enabled = saves
+        self.run_root: Optional[Path] = None
+        self.failures: list[int] = []
+        self.fail_at, self.close_error = set(fail_at), close_error
+        self.in_flight, self.staging_bytes = 0, 0
+        self.sealed: list[int] = []
+        self.closed = False
+
+    def claim(self, run_id):
+        self.journal.append(("claim", self.tier.value, run_id))
+
+    def candidates(self, run_id):
+        return []
+
+    def verify(self, candidate):
+        return None
+
+    def quarantine(self, candidate, reason):
+        raise AssertionError("no candidates, nothing to quarantine")
+
+    def load(self, step, objs):
+        raise AssertionError("no candidates, nothing to load")
+
+    def save(self, objs, *, run_id):
+        step = objs.train_state.step
+        self.journal.append(("save", self.tier.value, step))
+        if step in self.fail_at:
+            self.failures.append(step)
+            return None
+        self.sealed.append(step)
+        return 0.0
+
+    def finalize(self, blocking):
+        self.journal.append(("finalize", self.tier.value, blocking))
+
+    def saved_steps(self):
+        return list(self.sealed)
+
+    def close(self):
+        self.closed = True
+        self.journal.append(("close", self.tier.value))
+        if self.close_error is not None:
+            raise self.close_error
+
+
+def make(journal, *, local=None, global_=None, **cfg):
+    local = FakeTier(CheckpointTier.LOCAL, journal, **(local or {}))
+    global_ = FakeTier(CheckpointTier.GLOBAL, journal, persistent=True, **(global_ or {}))
+    manager = CheckpointManager(CheckpointConfig(**cfg), LAYOUT, tiers=[local, global_])
+    objs = TrainingObjects(model=[torch.nn.Linear(4, 4)], optimizer=None, scheduler=None, train_state=TrainState())
+    return manager, objs, local, global_
+
+
+def run_steps(manager, objs, steps):
+    for _ in range(steps):
+        objs.train_state.step += 1
+        manager.maybe_save(objs)
+
+
+def saves(journal):
+    return [(tier, step) for kind, tier, step in (e for e in journal if e[0] == "save")]
+
+
+def test_intervals_decide_and_local_starts_before_global():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 4})
+    run_steps(manager, objs, 8)
+    assert saves(journal) == [("local", 2), ("local", 4), ("global", 4), ("local", 6), ("local", 8), ("global", 8)]
+    # every step first finalizes whatever ended, in both tiers, before any new save
+    first_save = journal.index(("save", "local", 2))
+    assert journal[first_save - 2:first_save] == [("finalize", "local", False), ("finalize", "global", False)]
+
+
+def test_once_per_step_and_tier():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 1}, global_={"interval": 1})
+    objs.train_state.step = 3
+    manager.maybe_save(objs)
+    manager.save(CheckpointTier.GLOBAL, objs)  # e.g. a planned exit at the same step
+    manager.save(CheckpointTier.LOCAL, objs)
+    manager.save_final(objs)
+    assert saves(journal) == [("local", 3), ("global", 3)]
+    assert manager.last_saved_step(CheckpointTier.GLOBAL) == 3
+
+
+def test_a_tier_that_does_not_save_is_skipped():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 1}, global_={"interval": 1, "saves": False})
+    run_steps(manager, objs, 2)
+    assert saves(journal) == [("local", 1), ("local", 2)]
+
+
+def test_preflight_runs_once_per_step_for_all_tiers(monkeypatch):
+    calls = []
+    real = preflight_module.all_finite
+    monkeypatch.setattr(preflight_module, "all_finite", lambda model: calls.append(1) or real(model))
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
+    run_steps(manager, objs, 4)
+    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one preflight each
+
+
+def test_non_finite_parameters_block_every_tier_of_that_step():
+    journal: list = []
+    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2})
+    run_steps(manager, objs, 1)
+    with torch.no_grad():
+        objs.model[0].weight[0, 0] = float("nan")
+    run_steps(manager, objs, 1)
+    assert saves(journal) == []  # the tiers were never asked
+    assert local.failures == [2] and global_.failures == [2]
+    with torch.no_grad():
+        objs.model[0].weight[0, 0] = 0.0
+    run_steps(manager, objs, 2)
+    assert saves(journal) == [("local", 4), ("global", 4)]
+
+
+def test_a_failure_stops_the_run_only_when_configured():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 1, "fail_at": [2]})
+    run_steps(manager, objs, 3)  # goes on: exit_on_save_failure is false
+    assert saves(journal) == [("local", 1), ("local", 2), ("local", 3)]
+
+    journal = []
+    manager, objs, _, _ = make(journal, local={"interval": 1, "fail_at": [2]}, exit_on_save_failure=True)
+    with pytest.raises(CheckpointSaveError, match=r"'local': \[2\]"):
+        run_steps(manager, objs, 3)
+    assert saves(journal) == [("local", 1), ("local", 2)]
+
+
+@pytest.mark.parametrize("local_saves,global_saves,expected", [
+    (True, True, CheckpointTier.GLOBAL),  # persistent first: it survives losing the node
+    (True, False, CheckpointTier.LOCAL),
+    (False, True, CheckpointTier.GLOBAL),
+    (False, False, None),
+])
+def test_choice_of_the_final_save_tier(local_saves, global_saves, expected):
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"saves": local_saves}, global_={"saves": global_saves})
+    assert manager.final_tier() is expected
+    objs.train_state.step = 5
+    manager.save_final(objs)
+    assert saves(journal) == ([] if expected is None else [(expected.value, 5)])
+
+
+def test_close_closes_every_tier_after_a_failure_then_reports_it():
+    journal: list = []
+    manager, objs, local, global_ = make(journal, local={"interval": 1, "close_error": OSError("disk gone")},
+                                         global_={"interval": 1, "fail_at": [1]}, exit_on_save_failure=False)
+    run_steps(manager, objs, 1)
+    with pytest.raises(OSError, match="disk gone"):
+        manager.close()
+    assert local.closed and global_.closed  # GLOBAL closed although LOCAL's close raised
+    manager.close()  # idempotent: nothing is closed twice
+    assert [e for e in journal if e[0] == "close"] == [("close", "local"), ("close", "global")]
+    run_steps(manager, objs, 1)
+    assert saves(journal) == [("local", 1), ("global", 1)]  # nothing is saved after close
+
+
+def test_close_raises_the_save_failure_when_configured():
+    journal: list = []
+    manager, objs, local, global_ = make(journal, global_={"fail_at": [1]}, exit_on_save_failure=True)
+    objs.train_state.step = 1
+    with pytest.raises(CheckpointSaveError):
+        manager.save(CheckpointTier.GLOBAL, objs)
+    with pytest.raises(CheckpointSaveError, match=r"'global': \[1\]"):
+        manager.close()
+    assert local.closed and global_.closed
+
+
+def test_fresh_start_claims_every_tier_for_one_run_id():
+    journal: list = []
+    manager, objs, _, _ = make(journal)
+    assert manager.resume(objs) is None
+    run_id = objs.train_state.run_id
+    assert run_id and [e for e in journal if e[0] == "claim"] == [("claim", "local", run_id), ("claim", "global", run_id)]
