@@ -1,7 +1,8 @@
 """Resume selection: which checkpoint, of which tier, every rank loads.
 
-All ranks list the candidates of both tiers, the newest step that is valid on every rank wins, and
-LOCAL wins a tie with GLOBAL because it loads faster (node-local disk, no resharding). A candidate
+All ranks list the candidates of every tier, the newest step that is valid on every rank wins, and
+a tie goes to the tier listed first (the manager lists the fastest first: LOCAL wins a tie with
+GLOBAL because it loads faster, node-local disk and no resharding). A candidate
 that fails its checks is quarantined and the next is tried; a LOCAL checkpoint written at another
 topology is skipped (it is not broken, just not loadable here); another run's checkpoints are ignored.
 """
@@ -19,7 +20,6 @@ from tierstack.checkpointing.types import Candidate, CheckpointTier, CheckpointT
 
 log = logging.getLogger(__name__)
 
-_TIE_ORDER = {CheckpointTier.LOCAL: 0, CheckpointTier.GLOBAL: 1}
 _SKIP_NOT_INVALID = ("topology-changed", "other-run", "no-manifest")
 
 
@@ -41,9 +41,9 @@ def agree_family(roots: Sequence[Optional[Path]]) -> Optional[str]:
     return newest["run_id"]
 
 
-def _order(keys) -> list[tuple[CheckpointTier, int]]:
-    """Newest step first; at equal steps LOCAL before GLOBAL."""
-    return sorted(keys, key=lambda k: (-k[1], _TIE_ORDER[k[0]]))
+def _order(keys, tiers: Sequence[CheckpointTier]) -> list[tuple[CheckpointTier, int]]:
+    """Newest step first; at equal steps in the order of ``tiers`` (fastest first)."""
+    return sorted(keys, key=lambda k: (-k[1], tiers.index(k[0])))
 
 
 def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
@@ -59,7 +59,7 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
     if ckpt_step is not None:
         keys = {k for k in keys if k[1] == ckpt_step}
     result = Selection()
-    for key in _order(keys):
+    for key in _order(keys, [h.tier for h in handlers]):
         tier, step = key
         problems = [s.get(key, "missing-on-rank") for s in summaries]
         skip = next((p for p in problems if p in _SKIP_NOT_INVALID), None)
