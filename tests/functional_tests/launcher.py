@@ -1,19 +1,82 @@
-"""The one torchrun launcher of the functional tests: real ranks on CPU (gloo), one rendezvous each.
+"""The one torchrun launcher of the functional tests: real ranks, one rendezvous each, on the
+suite's device (``TIERSTACK_TEST_DEVICE=cpu|gpu``, default cpu).
 
 Every launch uses torchrun's ``--standalone`` rendezvous: the c10d store binds port 0, so the
 operating system hands each launch a free port at bind time. No test picks a port itself (a port
 picked and then used can be taken by another process in between) and none uses the default 29500.
+
+Device: ``cpu`` hides CUDA devices from the ranks (``CUDA_VISIBLE_DEVICES=""``), so they run gloo
+and the local layer spec even on a GPU machine and the suite means the same thing everywhere;
+``gpu`` lets the ranks see the GPUs (NCCL, transformer-engine when installed) and skips a test that
+starts more ranks than there are GPUs, with the reason (one rank needs one device).
+
+Timeout: torchrun runs in its own process group (session); on timeout the whole group (torchrun,
+its ranks and anything they started) is killed, so no rank outlives the test.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 REPO = Path(__file__).resolve().parents[2]
+DEVICE_ENV = "TIERSTACK_TEST_DEVICE"
+DEVICES = ("cpu", "gpu")
+
+
+def chosen_device() -> str:
+    """The suite's device (``cpu`` when unset); a wrong value is a usage error naming the variable."""
+    value = os.environ.get(DEVICE_ENV, "cpu").strip().lower() or "cpu"
+    if value not in DEVICES:
+        raise pytest.UsageError(f"{DEVICE_ENV}={value!r}: use cpu or gpu")
+    return value
+
+
+def device_env(nproc: int) -> dict[str, str]:
+    """Environment variables for a launch of ``nproc`` ranks on the chosen device.
+
+    Skips the calling test (``pytest.skip``) when ``gpu`` is chosen and fewer than ``nproc`` CUDA
+    devices are visible.
+    """
+    if chosen_device() == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < nproc:
+        pytest.skip(f"{DEVICE_ENV}=gpu: this test starts {nproc} ranks, one GPU each, but {have} GPU(s) are visible")
+    return {}
+
+
+def run_group(cmd, *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in a new session; on timeout SIGKILL the whole process group, then re-raise.
+
+    Raises:
+        subprocess.TimeoutExpired: after ``timeout`` seconds, once every process of the group is killed.
+    """
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        finally:
+            try:  # ranks or writers that outlived a torchrun that returned
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
@@ -22,14 +85,17 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
     Args:
         args: the script (or ``-m module``) and its arguments; paths are turned into strings.
         nproc: ranks on this machine.
-        timeout: seconds before the launch is killed (``subprocess.TimeoutExpired``).
+        timeout: seconds before the launch and every process it started are killed
+            (``subprocess.TimeoutExpired``).
         cwd: working directory (default: the repository root).
-        env: extra environment variables (``OMP_NUM_THREADS=1`` unless given).
+        env: extra environment variables (``OMP_NUM_THREADS=1`` unless given; the suite's device
+            variables, see :func:`device_env`).
     """
     full_env = dict(os.environ)
+    full_env.update(device_env(nproc))
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=full_env)
+    return run_group(cmd, timeout=timeout, cwd=cwd or REPO, env=full_env)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launcher import device_env, run_group
 
 from tierstack.recipes import DEFAULT_RECIPE, RECIPES, gpt_tiny_config
 from tierstack.runtime import known_warnings
@@ -44,9 +45,8 @@ def test_second_launch_resumes_where_the_first_stopped(tmp_path, torchrun):
     common = [*SMALL, f"logger.run_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints",
               f"checkpoint.local_dir={run_dir}/local", f"dataset.cache_dir={tmp_path}/cache"]
     # first launch as `make pretrain` does (the CLI validates, then starts the ranks); second by torchrun
-    first = subprocess.run([TIERSTACK, "pretrain", "gpt_tiny", "--nproc-per-node", "2", *common, "train.train_iters=8"],
-                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = run_group([TIERSTACK, "pretrain", "gpt_tiny", "--nproc-per-node", "2", *common, "train.train_iters=8"],
+                      timeout=300, cwd=REPO, env={**os.environ, **device_env(2), "PYTHONUNBUFFERED": "1"})
     assert first.returncode == 0, first.stderr[-4000:]
     # a quiet start: no megatron-core / torch notices, one line naming the absent GPU packages
     assert "Warning:" not in first.stderr and "warnings.warn" not in first.stderr, first.stderr[:4000]

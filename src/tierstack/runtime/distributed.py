@@ -108,6 +108,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_device_ordinal(local_rank: int, device_count: int) -> None:
+    """Fail clearly when this rank has no CUDA device of its own.
+
+    torchrun gives local ranks ``0 .. nproc-per-node - 1`` and each rank computes on
+    ``cuda:<LOCAL_RANK>``; more processes per node than visible devices would otherwise end in
+    CUDA's "invalid device ordinal" from deep inside ``set_device``.
+
+    Raises:
+        ValueError: ``local_rank >= device_count``; names the launcher setting and the variable to fix.
+    """
+    if local_rank >= device_count:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} has no CUDA device: this node shows {device_count} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); start at most "
+            f"{device_count} processes per node (torchrun --nproc-per-node {device_count}) or make more "
+            "devices visible"
+        )
+
+
+def process_group_device(backend: str, local_rank: int) -> dict:
+    """Extra ``init_process_group`` arguments: the rank's device for NCCL, nothing otherwise.
+
+    With ``device_id`` NCCL binds the communicator to this rank's GPU at init (eagerly) instead of
+    guessing it at the first collective, and later barriers do not warn that the device is unknown
+    (``torch.distributed.init_process_group``, ``device_id``, torch >= 2.3).
+    """
+    if "nccl" in backend:
+        return {"device_id": torch.device("cuda", local_rank)}
+    return {}
+
+
 def initialize_distributed(
     *,
     tensor_model_parallel_size: int,
@@ -130,7 +161,8 @@ def initialize_distributed(
         timeout_s: collective timeout in seconds.
 
     Raises:
-        ValueError: world size not divisible by TP * PP (names the distributed.* fields).
+        ValueError: world size not divisible by TP * PP (names the distributed.* fields), or on a
+            GPU machine ``LOCAL_RANK`` without a CUDA device (see :func:`check_device_ordinal`).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -148,14 +180,17 @@ def initialize_distributed(
             f"distributed.pipeline_model_parallel_size = "
             f"{tensor_model_parallel_size * pipeline_model_parallel_size}"
         )
+    backend = backend or default_backend()
     if has_gpu():
+        check_device_ordinal(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=backend or default_backend(),
+            backend=backend,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            **process_group_device(backend, local_rank),
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
