@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from tierstack.config.sections import StragglerConfig
 from tierstack.runtime import ParallelLayout, collectives, has_gpu
-from tierstack.runtime.nvrx_cpu import detector_cpu_shims
+from tierstack.runtime.nvrx_cpu import detector_cpu_shims, kernel_profiling_available
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ class StragglerMonitor:
         self.cfg = cfg
         self.layout = layout
         self._detector = Detector
-        self._profile_kernels = has_gpu()
-        with detector_cpu_shims():
+        self._profile_kernels = kernel_profiling_available()
+        with detector_cpu_shims(self._profile_kernels):
             # Reports are driven by iteration count (maybe_report), not by the Detector's own
             # time-based tracker: the interval is then the same on every rank by construction.
             Detector.initialize(
@@ -113,7 +113,7 @@ class StragglerMonitor:
             cfg.report_interval,
             cfg.relative_threshold,
             cfg.individual_threshold,
-            "CUDA kernel profiling" if self._profile_kernels else "section timing only (no GPU)",
+            "CUDA kernel profiling" if self._profile_kernels else "section timing only",
         )
 
     @contextlib.contextmanager
@@ -123,11 +123,16 @@ class StragglerMonitor:
             yield
 
     def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
-        """Return ``forward_step_func`` timed as the ``forward_step`` section.
+        """Return ``forward_step_func`` timed as the ``forward_step`` section, on a CPU only.
 
         On a CPU with TP=1 and PP=1 the forward compute holds no collective, so it is where a slow
-        rank stands out (see the module docstring).
+        rank stands out (see the module docstring). On a GPU the function is returned unchanged:
+        kernels run asynchronously, so a wall-clock section around ``forward_step`` (which only
+        queues them) measures launch time, and its scores could stop a healthy run; there the
+        kernel profiler and the ``train_step`` section (which ends at the optimizer step) score.
         """
+        if has_gpu():
+            return forward_step_func
         detector, profile = self._detector, self._profile_kernels
 
         def timed_forward_step(*args: Any, **kwargs: Any) -> Any:
@@ -148,7 +153,7 @@ class StragglerMonitor:
         """
         if iteration % self.cfg.report_interval:
             return None
-        with detector_cpu_shims():
+        with detector_cpu_shims(self._profile_kernels):
             report = self._detector.generate_report()  # a collective: every rank takes part
         result = StragglerReport(iteration=iteration)
         if self.layout.rank == 0 and report is not None:

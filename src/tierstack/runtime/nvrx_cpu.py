@@ -1,18 +1,24 @@
 """nvidia-resiliency-ext straggler Detector on a machine without CUDA (see CPU_NOTES.md, item 8).
 
 The Detector builds a CUPTI kernel profiler at initialize and calls ``torch.cuda.synchronize`` when
-it reports; neither exists on a CPU-only build. Section (wall-clock) timing still works and is what
-a CPU run scores. This is device knowledge, so it lives in ``runtime/``.
+it reports; neither exists on a CPU-only build, and the CUPTI extension is missing on some GPU
+installs too. Section (wall-clock) timing still works and is what a CPU run scores. This is device
+knowledge, so it lives in ``runtime/``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import logging
+from typing import Any, Iterator, Optional
 
 import torch
 
 from tierstack.runtime.distributed import has_gpu
+
+log = logging.getLogger(__name__)
+
+_cupti_warned = False
 
 
 class NoKernelProfiler:
@@ -55,16 +61,56 @@ class NoKernelProfiler:
         self._ensure_initialized()
 
 
+def _cupti_import_problem() -> Optional[str]:
+    """Why NVRx's CUPTI extension (``nvrx_cupti_module``) does not import, or None when it does.
+
+    The extension links ``libcupti.so.<CUDA major>``, which only some torch builds and CUDA installs
+    bring; the Detector imports it lazily inside ``CuptiManager()``.
+    """
+    try:
+        import nvrx_cupti_module  # noqa: F401
+    except (ImportError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def kernel_profiling_available() -> bool:
+    """True when the straggler Detector can profile CUDA kernels: a GPU and NVRx's CUPTI extension.
+
+    On a GPU whose CUPTI extension does not import, straggler detection falls back to section timing
+    (what a CPU run scores) and says so with one warning per process, instead of failing setup.
+    """
+    global _cupti_warned
+    if not has_gpu():
+        return False
+    problem = _cupti_import_problem()
+    if problem is None:
+        return True
+    if not _cupti_warned:
+        _cupti_warned = True
+        log.warning(
+            "straggler detection: CUDA kernel profiling is off, section timing only: nvidia-resiliency-ext's "
+            "CUPTI extension does not import (%s); it needs libcupti of the CUDA toolkit on the library path",
+            problem,
+        )
+    return False
+
+
 @contextlib.contextmanager
-def detector_cpu_shims() -> Iterator[None]:
-    """On a CPU only: let the Detector run without CUDA for the duration of one call.
+def detector_cpu_shims(kernel_profiling: bool = False) -> Iterator[None]:
+    """Let the Detector run without CUPTI (and, on a CPU, without CUDA) for the duration of one call.
 
     ``Detector.initialize`` constructs ``CuptiManager`` by its module-level name, with no parameter to
-    pass another, and ``Detector.generate_report`` calls ``torch.cuda.synchronize()``. Both names are
-    replaced for the block and restored after it, so nothing outlives the call; on a GPU this is a
+    pass another: without kernel profiling it gets :class:`NoKernelProfiler`. On a CPU,
+    ``Detector.generate_report`` calls ``torch.cuda.synchronize()``, replaced by a no-op. Both names are
+    restored after the block, so nothing outlives the call; with kernel profiling on a GPU this is a
     no-op and the real CUPTI profiler and synchronize run.
+
+    Args:
+        kernel_profiling: the value of :func:`kernel_profiling_available` the caller decided on.
     """
-    if has_gpu():
+    gpu = has_gpu()
+    if kernel_profiling and gpu:
         yield
         return
     from nvidia_resiliency_ext.straggler import straggler as nvrx_straggler
@@ -72,7 +118,8 @@ def detector_cpu_shims() -> Iterator[None]:
     saved_manager = nvrx_straggler.CuptiManager
     saved_sync = torch.cuda.synchronize
     nvrx_straggler.CuptiManager = NoKernelProfiler
-    torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
+    if not gpu:
+        torch.cuda.synchronize = lambda device=None: None  # CPU work is synchronous
     try:
         yield
     finally:

@@ -73,3 +73,58 @@ def test_cpu_shims_do_not_outlive_the_calls(monitor):
 def test_bad_config_names_the_fields():
     with pytest.raises(ValueError, match=r"(?s)straggler.report_interval.*straggler.relative_threshold"):
         StragglerMonitor(StragglerConfig(report_interval=0, relative_threshold=1.5), LAYOUT)
+
+
+@pytest.fixture
+def gpu_without_cupti(monkeypatch):
+    """A GPU machine as the straggler code sees it, whose NVRx CUPTI extension does not import
+    (``sys.modules[name] = None`` makes ``import name`` raise ImportError)."""
+    import sys
+
+    from tierstack.runtime import nvrx_cpu
+    from tierstack.resiliency import straggler
+
+    monkeypatch.setattr(nvrx_cpu, "has_gpu", lambda: True)
+    monkeypatch.setattr(straggler, "has_gpu", lambda: True)
+    monkeypatch.setitem(sys.modules, "nvrx_cupti_module", None)
+    monkeypatch.setattr(nvrx_cpu, "_cupti_warned", False)
+
+
+def test_kernel_profiling_falls_back_to_section_timing_with_one_warning(gpu_without_cupti, caplog):
+    caplog.set_level("WARNING", logger="tierstack.runtime.nvrx_cpu")
+    for _ in range(2):  # a second monitor in the same process does not warn again
+        m = StragglerMonitor(StragglerConfig(report_interval=3), LAYOUT, node_name="node-a")
+        try:
+            assert m._profile_kernels is False
+            with m.step_section():  # sections still time (no CUPTI profiling asked for)
+                time.sleep(0.001)
+        finally:
+            m.close()
+    warnings = [r for r in caplog.records if "kernel profiling is off" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "CUPTI extension does not import (ModuleNotFoundError: import of nvrx_cupti_module" in warnings[0].getMessage()
+    assert nvrx_straggler.CuptiManager.__name__ == "CuptiManager"  # the shim did not outlive setup
+
+
+def test_forward_step_is_timed_on_cpu_only(gpu_without_cupti):
+    """On a GPU the forward section would time kernel launches (no synchronize): not timed there."""
+    m = StragglerMonitor(StragglerConfig(report_interval=3), LAYOUT, node_name="node-a")
+    try:
+
+        def forward(x):
+            return x * 2
+
+        assert m.wrap_forward_step(forward) is forward
+    finally:
+        m.close()
+
+
+def test_forward_step_is_timed_without_gpu(monitor):
+    if has_gpu():
+        pytest.skip("CPU behaviour")
+
+    def forward(x):
+        return x * 2
+
+    timed = monitor.wrap_forward_step(forward)
+    assert timed is not forward and timed(3) == 6
