@@ -52,13 +52,8 @@ def build_transformer_config(cfg: ConfigContainer):
         bf16=m.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        # Gradient-accumulation fusion and the fused kernels need CUDA extensions.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
+        # Fused kernels where this machine has them (GPU, transformer-engine / apex); off on CPU.
+        **runtime.fusion_flags(),
         use_cpu_initialization=False,
         sequence_parallel=False,
         deallocate_pipeline_outputs=runtime.has_gpu(),

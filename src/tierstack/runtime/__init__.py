@@ -10,6 +10,7 @@ from tierstack.runtime import known_warnings
 known_warnings.install_import_filters()
 
 from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer  # noqa: E402
+from tierstack.runtime.fusions import fusion_flags  # noqa: E402
 from tierstack.runtime.distributed import (  # noqa: E402
     ParallelLayout,
     current_layout,
@@ -36,6 +37,7 @@ __all__ = [
     "default_backend",
     "destroy_distributed",
     "device",
+    "fusion_flags",
     "get_rng_state",
     "has_gpu",
     "initialize_distributed",
