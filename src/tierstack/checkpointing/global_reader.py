@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tierstack.checkpointing import paths
+from tierstack.checkpointing import model_settings, paths
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.types import TrainingObjects
 from tierstack.config import CheckpointConfig
@@ -66,6 +66,7 @@ class GlobalReader:
         man = paths.read_json(path / paths.MANIFEST) or {}
         saved, now = man.get("topology", {}), self.layout.topology()
         optim = self._load_optim_decision(man, objs, model_only)
+        model_settings.check_load(man, model_settings.model_settings(objs.model), optim=optim, where=str(path))
         rng = c.load_rng and not model_only and man.get("has_rng", True) and saved == now
         if c.load_rng and not model_only and saved != now:
             log.warning("GLOBAL load: topology changed %s -> %s; per-rank RNG state not restored", saved, now)

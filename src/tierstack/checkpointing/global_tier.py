@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from tierstack.checkpointing import global_writer, manifest, paths, retention, retry
+from tierstack.checkpointing import global_writer, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.staging import StagedTier
@@ -158,6 +158,7 @@ class GlobalTier(StagedTier):
             "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
             "has_optimizer": c.save_optim,
             "has_rng": c.save_rng,
+            **model_settings.model_settings(objs.model),
         }
         captured = dict(objs.train_state.state_dict())
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from tierstack.checkpointing import local_file, manifest, paths, retention, retry
+from tierstack.checkpointing import local_file, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
@@ -122,7 +122,8 @@ class LocalTier(StagedTier):
             self.failures.append(step)
             return None
         extra = {"has_optimizer": self.cfg.save_optim, "has_rng": self.cfg.save_rng,
-                 "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer)}
+                 "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
+                 **model_settings.model_settings(objs.model)}
         job = self._stager.submit(self._write_and_seal, step, run_id, captured, staged["header"], staged["buffers"], extra)
         blocked = time.perf_counter() - t0
         self._in_flight = _InFlight(step, run_id, t0, blocked, job)
@@ -248,6 +249,8 @@ class LocalTier(StagedTier):
         optim = c.load_optim and man.get("has_optimizer", True)
         rng = c.load_rng and man.get("has_rng", True)
         ckpt = self._paths(step)[0]
+        model_settings.check_load(man, model_settings.model_settings(objs.model), optim=optim, where=str(ckpt),
+                                  casts_weights=False)
         data = self._verified.pop(step, None)
         if data is None:  # not verified in this process (a direct load): verify now, same single read
             (name, entry), = man["files"].items()

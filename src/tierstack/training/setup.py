@@ -121,7 +121,13 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     listeners = [tracker.log_checkpoint] if tracker is not None else []
     ckpt = CheckpointManager(cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=listeners)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
-    resume_info = ckpt.resume(objs)
+    try:
+        resume_info = ckpt.resume(objs)
+    except BaseException:
+        # Joins the GLOBAL writer's warm-up: a process that exits while that thread is still
+        # starting megatron's result Manager waits for the Manager forever at exit.
+        ckpt.close()
+        raise
     if tracker is not None:
         run_id = tracker.start(
             cfg.flat_params(),
