@@ -47,6 +47,7 @@ class _InFlight:
     request: object  # megatron AsyncRequest (its finalize_fns run at our finalize)
     job: Future  # the writer thread's job: this rank's file entries
     started: float  # perf_counter at the start of the save
+    timed_out: Optional[BaseException] = None  # set by StagedTier._take_ended after the write timeout
     blocked_s: float = 0.0
 
 
@@ -66,7 +67,7 @@ class GlobalTier(StagedTier):
 
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
                  run_config: Mapping[str, Any], on_publish: Callable[[SaveEvent], None] = lambda e: None):
-        super().__init__("GLOBAL")
+        super().__init__("GLOBAL", cfg.async_write_timeout_s)
         self.cfg = cfg
         self.layout = parallel_layout
         self.run_config = run_config
@@ -284,7 +285,7 @@ class GlobalTier(StagedTier):
         if job is None:
             return
         t0 = time.perf_counter()
-        error = job.job.exception()
+        error = self._job_error(job)
         if error is not None:
             log.error("GLOBAL write of step %d failed on rank %d: %r", job.step, _dist.rank(), error)
         try:

@@ -48,6 +48,7 @@ class _InFlight:
     started: float  # perf_counter at the start of the save
     blocked_s: float
     job: Future
+    timed_out: Optional[BaseException] = None  # set by StagedTier._take_ended after the write timeout
 
 
 class LocalTier(StagedTier):
@@ -62,7 +63,7 @@ class LocalTier(StagedTier):
     persistent = False  # node-local: lost with the node
 
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout):
-        super().__init__("LOCAL")
+        super().__init__("LOCAL", cfg.async_write_timeout_s)
         self.cfg = cfg
         self.layout = parallel_layout
         self.root = Path(cfg.local_dir) if cfg.local_dir else None
@@ -178,7 +179,7 @@ class LocalTier(StagedTier):
         job: Optional[_InFlight] = self._take_ended(blocking)
         if job is None:
             return
-        error = job.job.exception()
+        error = self._job_error(job)
         if error is not None:
             log.error("LOCAL write of step %d failed on rank %d: %r", job.step, self.layout.rank, error)
         if not _dist.all_true(error is None):

@@ -22,7 +22,11 @@ background write, which is what a writer costs training either way.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -30,6 +34,45 @@ import torch
 from tierstack import runtime
 
 log = logging.getLogger(__name__)
+
+
+class WriterTimeout(RuntimeError):
+    """A tier's writer thread was still running on some rank ``checkpoint.async_write_timeout_s``
+    seconds into a blocking wait (the same error on every rank)."""
+
+
+class _WriterThread:
+    """One daemon thread running submitted jobs in order, each with its ``Future``.
+
+    A daemon thread rather than ``ThreadPoolExecutor``'s: a thread cannot be killed, and the pool's
+    threads are joined at interpreter exit, so one stuck in a write (a hung file system) would keep
+    the process from ever exiting. :meth:`Stager.close` still joins a healthy writer.
+    """
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # handed to whoever finalizes the save
+                future.set_exception(e)
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool) -> None:
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
 
 
 class Stager:
@@ -43,7 +86,7 @@ class Stager:
         self.name = name
         self._buffers: list[torch.Tensor] = []
         self._signature: Optional[list[tuple]] = None
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._executor: Optional[_WriterThread] = None
         self._job: Optional[Future] = None
         self.allocations = 0  # how many times the buffers were (re)allocated: 1 for a steady run
 
@@ -91,9 +134,17 @@ class Stager:
         if self._job is not None and not self._job.done():
             raise RuntimeError(f"{self.name} staging: a save is still in flight")
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstack-{self.name}-writer")
+            self._executor = _WriterThread(f"tierstack-{self.name}-writer")
         self._job = self._executor.submit(fn, *args, **kwargs)
         return self._job
+
+    def abandon(self) -> None:
+        """Leave a stuck writer thread behind: it keeps its job and the buffers it reads (they are
+        never reused); the next :meth:`submit` starts a new thread and :meth:`stage` allocates new
+        buffers. The old thread is a daemon, so it does not keep the process from exiting."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        self._executor, self._buffers, self._signature, self._job = None, [], None, None
 
     def close(self) -> None:
         """Wait for the writer, stop its thread, free the buffers. Idempotent."""
@@ -112,8 +163,9 @@ class StagedTier:
     ``finalize`` with :meth:`_take_ended`.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, write_timeout_s: float = 1800.0) -> None:
         self._stager = Stager(name)
+        self._write_timeout_s = write_timeout_s  # checkpoint.async_write_timeout_s
         self._in_flight = None  # the save handed to the writer and not yet finalized (one at most)
         self.failures: list[int] = []  # steps whose save failed on some rank (the manager decides what follows)
         self.last_durable_s: Optional[float] = None  # start of the last finalized save to its agreement
@@ -128,7 +180,9 @@ class StagedTier:
 
     def _take_ended(self, blocking: bool):
         """Collective: the save in flight, taken out of flight, once its writer ended on every rank
-        (``blocking``: whenever it ends); None while it is still running somewhere, or with none."""
+        (``blocking``: whenever it ends, within ``checkpoint.async_write_timeout_s``); None while it
+        is still running somewhere, or with none. After a timeout the job is returned with
+        ``timed_out`` set (see :meth:`_job_error`) and the stuck writer is abandoned."""
         from tierstack.runtime import collectives
 
         job = self._in_flight
@@ -136,8 +190,46 @@ class StagedTier:
             return None
         if not blocking and not collectives.all_true(job.job.done()):
             return None  # a sync point per step while a save is in flight: one small all-reduce
+        job.timed_out = self._wait_agreed(job) if blocking else None
         self._in_flight = None
         return job
+
+    def _wait_agreed(self, job) -> Optional[WriterTimeout]:
+        """Collective: wait until the writer of ``job`` ended on every rank, at most
+        ``checkpoint.async_write_timeout_s`` seconds (each rank's clock; the ranks agree each poll).
+
+        Returns:
+            None when it ended everywhere; otherwise a :class:`WriterTimeout` naming the tier, step
+            and the ranks whose writer still runs (the same on every rank), after logging it and
+            abandoning this rank's stuck writer thread.
+        """
+        from tierstack.runtime import collectives
+
+        deadline, poll = time.monotonic() + self._write_timeout_s, 0.01
+        while True:
+            wait_futures([job.job], timeout=poll)
+            if collectives.all_true(job.job.done()):
+                return None
+            if collectives.any_true(time.monotonic() >= deadline):
+                break
+            poll = min(2 * poll, 1.0)
+        running = [r for r, done in enumerate(collectives.all_gather_object(job.job.done())) if not done]
+        error = WriterTimeout(
+            f"{self._stager.name} checkpoint of step {job.step}: the writer thread of rank(s) {running} is still "
+            f"running after checkpoint.async_write_timeout_s={self._write_timeout_s:g}s (a hung file system?); "
+            "the save fails on every rank and that thread is left behind"
+        )
+        log.error("%s", error)
+        if not job.job.done():
+            self._stager.abandon()
+        return error
+
+    @staticmethod
+    def _job_error(job) -> Optional[BaseException]:
+        """This rank's outcome of an ended save: the writer's exception, the agreed timeout, or None."""
+        if getattr(job, "timed_out", None) is not None:
+            return job.timed_out
+        return job.job.exception()
 
     def finalize(self, blocking: bool) -> None:  # pragma: no cover - every tier defines it
         raise NotImplementedError

@@ -280,6 +280,9 @@ class CheckpointConfig(_Section):
     save_retries: int = 3  # attempts for transient I/O errors
     retry_backoff_s: float = 1.0  # first backoff in seconds (exponential)
     exit_on_save_failure: bool = False  # stop training when a save fails on any rank
+    # A blocking wait for a tier's writer thread (the next save of that tier, or the end of the run)
+    # gives up after this many seconds: the save fails on every rank, naming the ranks still writing.
+    async_write_timeout_s: float = 1800.0
 
     def problems(self) -> list[str]:
         p = []
@@ -297,6 +300,8 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.ckpt_step must be >= 0")
         if self.save_retries < 1:
             p.append("checkpoint.save_retries must be >= 1 (attempts, including the first)")
+        if not self.async_write_timeout_s > 0:
+            p.append("checkpoint.async_write_timeout_s must be > 0 (seconds)")
         if self.retry_backoff_s < 0:
             p.append("checkpoint.retry_backoff_s must be >= 0")
         if self.pretrained_checkpoint is not None and not Path(self.pretrained_checkpoint).exists():

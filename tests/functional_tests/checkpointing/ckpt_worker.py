@@ -1,6 +1,7 @@
 """One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``.
 
-Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] [section.field=value ...]
+Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] [--hang-global-writer-on RANK]
+    [section.field=value ...]
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
 data) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
@@ -63,6 +64,27 @@ def hold_writers_until(release: Path, timeout_s: float = 200.0):
     local_file.write = held_local
 
 
+def hang_first_global_write(rank: int):
+    """On ``rank``, the first GLOBAL write never returns (a hung file system): its writer thread
+    blocks for good; the other ranks write normally. Later writes are not held."""
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    if int(os.environ["RANK"]) != rank:
+        return
+    real_write = FileSystemWriterAsync.write_preloaded_data
+    first = [True]
+
+    def hung(*args, **kwargs):
+        if first[0]:
+            first[0] = False
+            threading.Event().wait()  # never set
+        return real_write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(hung)
+
+
 def kill_during_local_write(step):
     """Rank 1 writes half of its LOCAL file of ``step``, then SIGKILLs itself (a node lost mid-save)."""
     import signal
@@ -108,8 +130,11 @@ def main():
     out = Path(sys.argv[1])
     args = sys.argv[2:]
     release = None
-    while args[:1] in (["--hold-writers"], ["--kill-during-local-write"]):
-        if args[0] == "--hold-writers":
+    while args[:1] in (["--hold-writers"], ["--kill-during-local-write"], ["--hang-global-writer-on"]):
+        if args[0] == "--hang-global-writer-on":
+            hang_first_global_write(int(args[1]))
+            args = args[2:]
+        elif args[0] == "--hold-writers":
             release = out / "release_writers"
             hold_writers_until(release)
             args = args[1:]
