@@ -12,7 +12,8 @@ Scores (from the Detector) are ratios in (0, 1]:
 
 CPU and GPU
     On a GPU the Detector profiles CUDA kernels with CUPTI, which sees a slow GPU even when
-    collectives make every rank's wall time equal. On a CPU there is no CUPTI (``nvrx_cupti_module``
+    collectives make every rank's wall time equal (where NVRx's CUPTI extension does not load, a GPU
+    run falls back to section timing with one warning). On a CPU there is no CUPTI (``nvrx_cupti_module``
     cannot load ``libcupti``), so this module hands the Detector a profiler that records no kernels
     (:class:`tierstack.runtime.nvrx_cpu.NoKernelProfiler`) and only wall-clock section timing is scored. A section that spans a
     synchronous collective (the data-parallel gradient all-reduce) takes the same wall time on every
