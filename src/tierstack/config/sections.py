@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from tierstack.errors import BadInputError
 
-class ConfigError(ValueError):
+
+class ConfigError(BadInputError, ValueError):
     """Raised with every problem found in a config, each naming the field to change."""
 
     def __init__(self, problems: list[str]):

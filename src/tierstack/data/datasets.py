@@ -43,6 +43,34 @@ def resolve_stdlib_corpus(cache_dir: str, tokenizer) -> str:
     return prefix if prefix is not None else ensure_stdlib_corpus(cache_dir, tokenizer)
 
 
+def resolve_blend(dataset_cfg: DatasetConfig, tokenizer) -> Optional[tuple[list[str], Optional[list[float]]]]:
+    """``(prefixes, weights)`` the run trains on, or None for mock data (no files).
+
+    ``data_path`` None builds the stdlib corpus once (collective, see :func:`resolve_stdlib_corpus`).
+
+    Raises:
+        ValueError / FileNotFoundError: see :func:`parse_data_path`.
+    """
+    if dataset_cfg.mock:
+        return None
+    if dataset_cfg.data_path is None:
+        return [resolve_stdlib_corpus(dataset_cfg.cache_dir, tokenizer)], None
+    return parse_data_path(dataset_cfg.data_path)
+
+
+def check_training_data(dataset_cfg: DatasetConfig, tokenizer) -> None:
+    """Collective: :func:`tierstack.data.checks.check_datasets` on the files the run trains on.
+
+    Raises:
+        DataFileError: on every rank, naming each bad file and what to do.
+    """
+    from tierstack.data.checks import check_datasets
+
+    blend = resolve_blend(dataset_cfg, tokenizer)
+    if blend is not None:
+        check_datasets(blend[0], tokenizer, dataset_cfg.cache_dir)
+
+
 def build_train_valid_datasets(
     dataset_cfg: DatasetConfig,
     tokenizer,
@@ -86,20 +114,14 @@ def build_train_valid_datasets(
             f"need seq_length >= 1, train_samples >= 1, valid_samples >= 0; got {seq_length}, "
             f"{train_samples}, {valid_samples}"
         )
-    blend = None
-    if not dataset_cfg.mock:
-        if dataset_cfg.data_path is None:
-            prefixes, weights = [resolve_stdlib_corpus(dataset_cfg.cache_dir, tokenizer)], None
-        else:
-            prefixes, weights = parse_data_path(dataset_cfg.data_path)
-        if len(prefixes) > 1 and not torch.distributed.is_initialized():
-            # megatron-core 0.16.1's BlendedDataset calls torch.distributed.get_rank() unguarded
-            # when it builds its index; fail here with a message instead of deep inside it.
-            raise RuntimeError(
-                "dataset.data_path blends several prefixes, which megatron-core can only build "
-                "with torch.distributed initialized (a 1-rank gloo group is enough)"
-            )
-        blend = (prefixes, weights)
+    blend = resolve_blend(dataset_cfg, tokenizer)
+    if blend is not None and len(blend[0]) > 1 and not torch.distributed.is_initialized():
+        # megatron-core 0.16.1's BlendedDataset calls torch.distributed.get_rank() unguarded
+        # when it builds its index; fail here with a message instead of deep inside it.
+        raise RuntimeError(
+            "dataset.data_path blends several prefixes, which megatron-core can only build "
+            "with torch.distributed initialized (a 1-rank gloo group is enough)"
+        )
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -131,4 +153,6 @@ def build_train_valid_datasets(
     return train_ds, valid_ds
 
 
-__all__ = ["build_train_valid_datasets", "parse_data_path", "resolve_stdlib_corpus"]
+__all__ = [
+    "build_train_valid_datasets", "check_training_data", "parse_data_path", "resolve_blend", "resolve_stdlib_corpus",
+]

@@ -24,6 +24,8 @@ from typing import Iterator, Sequence
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from tierstack.data.checks import sidecar_path, write_sidecar
+
 logger = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl",)
@@ -47,7 +49,9 @@ class PreprocessStats:
         num_tokens: token ids written, end tokens included.
         bytes_read: input size in bytes.
         dtype: numpy dtype name of the ids in the .bin file (``uint16`` or ``int32``).
+        max_token_id: largest id written (-1 when nothing was written).
         bin_path, idx_path: the files written.
+        sidecar_path: ``<prefix>.meta.json``, what :mod:`tierstack.data.checks` reads at setup.
         seconds: wall time.
     """
 
@@ -57,8 +61,10 @@ class PreprocessStats:
     num_tokens: int
     bytes_read: int
     dtype: str
+    max_token_id: int
     bin_path: str
     idx_path: str
+    sidecar_path: str
     seconds: float
 
 
@@ -127,7 +133,9 @@ def preprocess(
     ``DType.optimal_dtype``). Empty documents without an end token are skipped.
 
     The files are written under temporary names and renamed at the end, so an error leaves no
-    ``.bin``/``.idx`` behind (and does not touch files already at the prefix).
+    ``.bin``/``.idx`` behind (and does not touch files already at the prefix). A sidecar
+    ``<prefix>.meta.json`` (tokenizer identity, max token id, counts) is written last; setup checks it
+    against the run's tokenizer (:mod:`tierstack.data.checks`).
 
     Returns:
         PreprocessStats.
@@ -152,6 +160,7 @@ def preprocess(
     tmp_bin, tmp_idx = bin_path + tag, idx_path + tag
 
     num_docs = num_skipped = num_tokens = bytes_read = 0
+    max_id = -1
     builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
     try:
         for path in paths:
@@ -162,11 +171,15 @@ def preprocess(
                     num_skipped += 1
                     continue
                 builder.add_document(ids, [int(ids.size)])
+                max_id = max(max_id, int(ids.max()))
                 num_docs += 1
                 num_tokens += int(ids.size)
         builder.finalize(tmp_idx)
+        sidecar_path(prefix).unlink(missing_ok=True)  # never leave an old sidecar beside new files
         os.replace(tmp_bin, bin_path)
         os.replace(tmp_idx, idx_path)
+        sidecar = write_sidecar(prefix, tokenizer, max_token_id=max_id, num_documents=num_docs,
+                                num_tokens=num_tokens, dtype=np.dtype(dtype).name)
     finally:
         builder.data_file.close()
         for leftover in (tmp_bin, tmp_idx):
@@ -179,8 +192,10 @@ def preprocess(
         num_tokens=num_tokens,
         bytes_read=bytes_read,
         dtype=np.dtype(dtype).name,
+        max_token_id=max_id,
         bin_path=bin_path,
         idx_path=idx_path,
+        sidecar_path=str(sidecar),
         seconds=time.perf_counter() - t0,
     )
 

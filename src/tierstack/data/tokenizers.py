@@ -177,3 +177,64 @@ def build_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HuggingFaceTokenize
     if cfg.tokenizer_type == "byte":
         return ByteTokenizer()
     return HuggingFaceTokenizer(cfg.tokenizer_path, eod_token=getattr(cfg, "eod_token", None))
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What makes two tokenizers the same, as a JSON-ready dict (recorded in data sidecars and checkpoints).
+
+    Keys: ``type`` ("byte" or "huggingface"), ``vocab_size`` (ids, unpadded), ``eod`` (end id),
+    ``sha256`` (of the tokenizer.json; None for the byte tokenizer, which has no file) and ``path``
+    (where the file was, for messages only: it is not compared).
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        kind = "byte"
+    elif isinstance(tokenizer, HuggingFaceTokenizer):
+        kind = "huggingface"
+    else:  # any duck-typed tokenizer megatron-core accepts
+        kind = type(tokenizer).__name__
+    path = getattr(tokenizer, "path", None)
+    return {
+        "type": kind,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eod": int(tokenizer.eod),
+        "sha256": dict(getattr(tokenizer, "unique_identifiers", {}) or {}).get("sha256"),
+        "path": str(path) if path is not None else None,
+    }
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """True when two :func:`tokenizer_identity` dicts name the same vocabulary (the path is not compared)."""
+    return all(a.get(k) == b.get(k) for k in ("type", "vocab_size", "eod", "sha256"))
+
+
+def describe_tokenizer(identity: Optional[dict]) -> str:
+    """One-line description of a :func:`tokenizer_identity` dict, e.g. for error messages."""
+    if not identity:
+        return "an unrecorded tokenizer"
+    if identity.get("type") != "huggingface":
+        return f"the {identity.get('type')} tokenizer (vocabulary {identity.get('vocab_size')})"
+    sha = (identity.get("sha256") or "")[:12]
+    return (
+        f"the Hugging Face tokenizer {identity.get('path')} (vocabulary {identity.get('vocab_size')}, "
+        f"sha256 {sha}...)"
+    )
+
+
+_IDENTITY_CACHE: dict = {}
+
+
+def identity_of_config(cfg: TokenizerConfig) -> dict:
+    """:func:`tokenizer_identity` of the tokenizer ``cfg`` builds, cached per file version.
+
+    Checkpoint saves call this at every save; the tokenizer is built once per (type, path, mtime).
+    """
+    key: tuple = (cfg.tokenizer_type.lower(), cfg.tokenizer_path)
+    if cfg.tokenizer_path:
+        try:
+            st = Path(cfg.tokenizer_path).expanduser().stat()
+            key += (st.st_mtime_ns, st.st_size)
+        except OSError:
+            pass
+    if key not in _IDENTITY_CACHE:
+        _IDENTITY_CACHE[key] = tokenizer_identity(build_tokenizer(cfg))
+    return dict(_IDENTITY_CACHE[key])
