@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -112,19 +113,30 @@ class GlobalReader:
             )
         return True
 
-    def load_pretrained(self, path: Path, objs: TrainingObjects) -> int:
+    def load_pretrained(self, path: Path, objs: TrainingObjects, *,
+                        run_config: Optional[Mapping[str, Any]] = None) -> int:
         """Collective: model weights only from ``path``, a step directory or a GLOBAL root with a tracker.
+
+        With ``run_config`` (the run config as plain dicts), the checkpoint's recorded tokenizer and
+        architecture are compared with it first (:func:`~tierstack.checkpointing.compat.check`,
+        ``pretrained=True``: the vocabulary padding may differ); nothing is loaded on a difference.
 
         Returns:
             The step of the checkpoint the weights came from.
 
         Raises:
             FileNotFoundError: ``path`` is a root without ``latest_checkpointed_iteration.txt``.
+            CheckpointMismatchError: another tokenizer or tensor-shaping model field (on every rank).
         """
         root, step = path.parent, paths.parse_step_dir(path.name)
         if step is None:
             root = path
             step = int((path / paths.TRACKER_ITERATION).read_text().strip())
+        if run_config is not None:
+            from tierstack.checkpointing import compat  # compat names this module's CheckpointLoadError
+
+            step_dir = root / paths.step_dir_name(step)
+            compat.check(paths.read_json(step_dir / paths.MANIFEST), run_config, str(step_dir), pretrained=True)
         self.load(root, step, objs, model_only=True)
         if _dist.rank() == 0:
             log.info("loaded pretrained weights of step %d from %s", step, root)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from tierstack.checkpointing import global_writer, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import compat, global_writer, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.staging import StagedTier
@@ -160,6 +160,7 @@ class GlobalTier(StagedTier):
             "has_optimizer": c.save_optim,
             "has_rng": c.save_rng,
             **model_settings.model_settings(objs.model),
+            **compat.manifest_fields(self.run_config),  # tokenizer and config, compared before a resume
         }
         captured = dict(objs.train_state.state_dict())
 

@@ -28,9 +28,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing import local_file, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import compat, local_file, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
@@ -57,15 +57,19 @@ class LocalTier(StagedTier):
     Args:
         cfg: the ``checkpoint`` section (``local_dir``, ``local_save_interval``, ``most_recent_k``, ...).
         parallel_layout: this rank's layout; a LOCAL checkpoint loads only at the same one.
+        run_config: the whole run config as plain dicts; its tokenizer and config go into every
+            manifest (:func:`~tierstack.checkpointing.compat.manifest_fields`); empty: nothing recorded.
     """
 
     tier = CheckpointTier.LOCAL
     persistent = False  # node-local: lost with the node
 
-    def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout):
+    def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
+                 run_config: Optional[Mapping[str, Any]] = None):
         super().__init__("LOCAL", cfg.async_write_timeout_s)
         self.cfg = cfg
         self.layout = parallel_layout
+        self.run_config = run_config or {}
         self.root = Path(cfg.local_dir) if cfg.local_dir else None
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
@@ -124,7 +128,8 @@ class LocalTier(StagedTier):
             return None
         extra = {"has_optimizer": self.cfg.save_optim, "has_rng": self.cfg.save_rng,
                  "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
-                 **model_settings.model_settings(objs.model)}
+                 **model_settings.model_settings(objs.model),
+                 **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
         job = self._stager.submit(self._write_and_seal, step, run_id, captured, staged["header"], staged["buffers"], extra)
         blocked = time.perf_counter() - t0
         self._in_flight = _InFlight(step, run_id, t0, blocked, job)

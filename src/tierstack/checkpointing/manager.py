@@ -13,7 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import preflight, selection
+from tierstack.checkpointing import compat, preflight, selection
+from tierstack.checkpointing import family as run_family
 from tierstack.checkpointing.global_reader import CheckpointLoadError, GlobalReader
 from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
@@ -44,7 +45,7 @@ def build_tiers(
 ) -> list[CheckpointTierHandler]:
     """The tiers of a run, fastest first (the order in which a step's saves start)."""
     return [
-        LocalTier(cfg, parallel_layout),
+        LocalTier(cfg, parallel_layout, run_config=run_config),
         GlobalTier(cfg, parallel_layout, run_config=run_config, on_publish=on_publish),
     ]
 
@@ -55,7 +56,9 @@ class CheckpointManager:
     Args:
         cfg: the ``checkpoint`` section.
         parallel_layout: this rank's parallel layout.
-        run_config: the whole run config as plain dicts (recorded beside GLOBAL checkpoints).
+        run_config: the whole run config as plain dicts: recorded beside GLOBAL checkpoints, its
+            tokenizer and config in every manifest, and compared with a checkpoint's record before
+            any load (:mod:`~tierstack.checkpointing.compat`).
         listeners: called on every rank after each *published* GLOBAL save (never for LOCAL).
         tiers: the tier handlers, fastest first; default :func:`build_tiers` (tests pass their own).
     """
@@ -71,6 +74,7 @@ class CheckpointManager:
     ):
         self.cfg = cfg
         self.layout = parallel_layout
+        self.run_config = run_config or {}
         self._listeners = list(listeners)
         if tiers is None:
             tiers = build_tiers(cfg, parallel_layout, run_config=run_config or {}, on_publish=self._notify)
@@ -97,6 +101,10 @@ class CheckpointManager:
             id agreed by all ranks).
 
         Raises:
+            CheckpointFamilyError: a directory that decides the run family holds checkpoints
+                without a ``run.json`` (:mod:`~tierstack.checkpointing.family`).
+            CheckpointMismatchError: the chosen checkpoint's tokenizer or tensor-shaping model
+                fields differ from this run's (:mod:`~tierstack.checkpointing.compat`).
             CheckpointLoadError: checkpoints exist but none is valid (unless
                 ``checkpoint.allow_fresh_start_on_invalid``), ``ckpt_step`` names no valid
                 checkpoint, ``exit_on_missing_checkpoint`` finds nothing, or the chosen checkpoint
@@ -104,10 +112,14 @@ class CheckpointManager:
         """
         t0 = time.perf_counter()
         handlers = list(self._tiers.values())
-        family = selection.agree_family([h.run_root for h in handlers])
+        family = run_family.decide(handlers)
+        if family is None:  # a new run: nothing in any tier is ours
+            return self._fresh_start(objs, selection.Selection())
         chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step)
         if chosen.handler is None:
             return self._fresh_start(objs, chosen)
+        where = f"{chosen.handler.tier.value.upper()} step {chosen.step} ({chosen.handler.run_root})"
+        compat.check(chosen.manifest, self.run_config, where)  # before any load: every difference at once
         path = chosen.handler.load(chosen.step, objs)
         objs.train_state.resumed_from = list(objs.train_state.resumed_from) + [chosen.step]
         info = ResumeInfo(chosen.handler.tier, chosen.step, path, time.perf_counter() - t0)
@@ -136,7 +148,8 @@ class CheckpointManager:
             handler.claim(run_id)
         _dist.barrier()
         if c.pretrained_checkpoint:
-            GlobalReader(c, self.layout).load_pretrained(Path(c.pretrained_checkpoint), objs)
+            GlobalReader(c, self.layout).load_pretrained(Path(c.pretrained_checkpoint), objs,
+                                                         run_config=self.run_config)
         if _dist.rank() == 0:
             log.info("no checkpoint to resume from: fresh start, run %s", run_id)
         return None

@@ -4,17 +4,16 @@ All ranks list the candidates of every tier, the newest step that is valid on ev
 a tie goes to the tier listed first (the manager lists the fastest first: LOCAL wins a tie with
 GLOBAL because it loads faster, node-local disk and no resharding). A candidate
 that fails its checks is quarantined and the next is tried; a LOCAL checkpoint written at another
-topology is skipped (it is not broken, just not loadable here); another run's checkpoints are ignored.
+topology is skipped (it is not broken, just not loadable here); another run's checkpoints are reported and left alone. Which run is "this run" is decided before,
+by :mod:`tierstack.checkpointing.family`.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence
 
-from tierstack.checkpointing import paths
 from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.types import Candidate, CheckpointTier, CheckpointTierHandler
 
@@ -29,16 +28,16 @@ class Selection:
     step: Optional[int] = None
     quarantined: list[str] = field(default_factory=list)  # "<tier> step <n>: <reason>"
     skipped: list[str] = field(default_factory=list)
+    manifest: Optional[dict] = None  # the chosen checkpoint's manifest on this rank (compared before load)
 
 
-def agree_family(roots: Sequence[Optional[Path]]) -> Optional[str]:
-    """Collective: the run family, from the ``run.json`` written last among the tier roots any rank sees."""
-    mine = [paths.read_run_file(r) for r in roots if r is not None]
-    seen = [info for view in _dist.all_gather_object(mine) for info in view if info]
-    if not seen:
-        return None
-    newest = max(seen, key=lambda info: float(info.get("written_unix", 0.0)))
-    return newest["run_id"]
+def _log_skip(tier: CheckpointTier, step: int, skip: str, cand: Optional[Candidate], family: Optional[str]) -> None:
+    if skip == "other-run" and cand is not None:
+        theirs = (cand.manifest or {}).get("run_id")
+        log.warning("resume: %s checkpoint %s belongs to run %s, not this run (%s): never resumed, retained or "
+                    "deleted", tier.value.upper(), cand.path, theirs, family)
+    else:
+        log.info("resume: skipping %s checkpoint of step %d (%s)", tier.value, step, skip)
 
 
 def _order(keys, tiers: Sequence[CheckpointTier]) -> list[tuple[CheckpointTier, int]]:
@@ -66,7 +65,7 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
         if skip is not None:
             result.skipped.append(f"{tier.value} step {step}: {skip}")
             if _dist.rank() == 0:
-                log.info("resume: skipping %s checkpoint of step %d (%s)", tier.value, step, skip)
+                _log_skip(tier, step, skip, views.get(key), family)
             continue
         cand = views.get(key)
         local = cand.problem if cand is not None else "missing-on-rank"
@@ -74,7 +73,7 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
             local = by_tier[tier].verify(cand)
         problems = _dist.all_gather_object(local)
         if all(p is None for p in problems):
-            result.handler, result.step = by_tier[tier], step
+            result.handler, result.step, result.manifest = by_tier[tier], step, cand.manifest
             return result
         reason = next(p for p in problems if p is not None)
         result.quarantined.append(f"{tier.value} step {step}: {reason}")

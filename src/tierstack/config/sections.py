@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from tierstack.errors import BadInputError
 
@@ -69,6 +69,16 @@ class ModelConfig(_Section):
     share_embeddings_and_output_weights: bool = True
     transformer_impl: str = "auto"  # "auto" (TE when importable), "local" or "transformer_engine"
     bf16: bool = False  # bf16 parameters (GPU); CPU runs use fp32
+
+    # Fields that shape no tensor of a checkpoint. Every other field does: a resume (or a pretrained
+    # start) refuses a change of it before loading (checkpointing/compat.py), so an architecture
+    # field added here later is protected without being listed anywhere. Changes of these fields
+    # are listed as "changed since the checkpoint" on resume. seq_length: RoPE has no parameters.
+    # make_vocab_size_divisible_by: only the padding of the vocabulary.
+    NOT_TENSOR_SHAPING: ClassVar[frozenset] = frozenset({
+        "seq_length", "make_vocab_size_divisible_by", "init_method_std", "hidden_dropout",
+        "attention_dropout", "transformer_impl", "bf16",
+    })
 
     def problems(self) -> list[str]:
         p = _at_least("model", self, ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))

@@ -21,10 +21,12 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from tierstack.config import ConfigContainer, ConfigError
+from tierstack.errors import BadInputError
 
 log = logging.getLogger("tierstack")
 
 CONFIG_ERROR_STATUS = 2  # the exit status of a refused config (argparse's, for the same kind of mistake)
+BAD_INPUT_STATUS = CONFIG_ERROR_STATUS  # any other bad input (tierstack.errors.BadInputError): the same
 
 
 def under_torchrun() -> bool:
@@ -56,7 +58,10 @@ def run(
 
     Returns:
         A process exit status: 0 on success; 2 on a config error (printed once, before any work
-        starts); with ``--nproc-per-node``, the launch's status (see :func:`launch`).
+        starts) or on another :class:`~tierstack.errors.BadInputError` of setup (damaged data files,
+        a checkpoint that does not fit the run, checkpoints of no recorded run: rank 0 prints the
+        message, every other rank one line); with ``--nproc-per-node``, the launch's status (see
+        :func:`launch`). Other errors propagate with their traceback.
     """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc-per-node", type=int, default=None)
@@ -76,7 +81,16 @@ def run(
         return launch([*(rank_command or [sys.argv[0]]), *overrides], nproc_per_node=nproc)
     from tierstack import pretrain
 
-    pretrain(config)
+    try:
+        pretrain(config)
+    except BadInputError as exc:  # raised alike on every rank, after pretrain() cleaned up
+        if int(os.environ.get("RANK", "0")) == 0:
+            _report(str(exc))
+        else:
+            if not logging.getLogger().handlers:
+                logging.basicConfig(level=logging.INFO, format="%(message)s")
+            log.error("rank %s stopped: bad input (rank 0 says which)", os.environ.get("RANK"))
+        return BAD_INPUT_STATUS
     return 0
 
 

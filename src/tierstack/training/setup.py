@@ -126,20 +126,20 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     try:
         resume_info = ckpt.resume(objs)
+        if tracker is not None:
+            run_id = tracker.start(
+                cfg.flat_params(),
+                resume_run_id=train_state.experiment_run_id,
+                resume_step=resume_info.step if resume_info is not None else None,
+            )
+            train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
+        train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
     except BaseException:
-        # Joins the GLOBAL writer's warm-up: a process that exits while that thread is still
-        # starting megatron's result Manager waits for the Manager forever at exit.
+        # Nobody else holds the manager yet: close it here. This joins the GLOBAL writer's warm-up:
+        # a process that exits while that thread is still starting megatron's result Manager waits
+        # for the Manager forever at exit (and no thread traceback follows the error).
         ckpt.close()
         raise
-    if tracker is not None:
-        run_id = tracker.start(
-            cfg.flat_params(),
-            resume_run_id=train_state.experiment_run_id,
-            resume_step=resume_info.step if resume_info is not None else None,
-        )
-        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
-
-    train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
     straggler = None
     if cfg.straggler is not None:
         from tierstack.resiliency.straggler import StragglerMonitor

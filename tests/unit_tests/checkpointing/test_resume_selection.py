@@ -1,11 +1,14 @@
 """Resume selection over real files, single process (collectives reduce to the local view)."""
 
 
-from tierstack.checkpointing import manifest, paths, selection
+import pytest
+
+from tierstack.checkpointing import family, manifest, paths, selection
 from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import CheckpointTier
 from tierstack.config import CheckpointConfig
+from tierstack.errors import BadInputError
 from tierstack.runtime import ParallelLayout
 
 LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
@@ -89,11 +92,46 @@ def test_ckpt_step_and_nothing_valid(tmp_path):
     assert chosen.handler is None and len(chosen.quarantined) == 2
 
 
-def test_family_is_the_run_file_written_last(tmp_path):
+def _decide(global_dir, local_dir):
+    """The run family as the manager decides it, from the tiers of these directories (None: not configured)."""
+    cfg = CheckpointConfig(load=str(global_dir) if global_dir else None, local_dir=str(local_dir) if local_dir else None)
+    return family.decide([LocalTier(cfg, LAYOUT), GlobalTier(cfg, LAYOUT, run_config={})])
+
+
+def test_global_record_decides_the_family_and_a_newer_local_record_does_not(tmp_path):
+    # Issue 17 item 3: the family used to be the run.json written last among the tier roots.
     paths.write_run_file(tmp_path / "global", "old")
     paths.write_run_file(tmp_path / "local", "new")
-    assert selection.agree_family([tmp_path / "global", tmp_path / "local"]) == "new"
-    assert selection.agree_family([tmp_path / "nothing"]) is None
+    assert _decide(tmp_path / "global", tmp_path / "local") == "old"
+    assert _decide(tmp_path / "nothing", None) is None
+    assert _decide(None, tmp_path / "local") == "new"  # LOCAL decides only without GLOBAL
+
+
+def test_fresh_global_next_to_an_old_local_dir_is_a_new_run(tmp_path, caplog):
+    # Issue 17 item 3: another experiment's LOCAL checkpoints beside a fresh GLOBAL directory.
+    paths.write_run_file(tmp_path / "local", "oldexp")
+    _local(tmp_path / "local", 20, run_id="oldexp")
+    with caplog.at_level("WARNING"):
+        assert _decide(tmp_path / "fresh", tmp_path / "local") is None
+    assert "belong to run(s) oldexp and are left alone" in caplog.text
+    assert str(tmp_path / "local" / "0" / paths.local_file_name(20, 0)) in caplog.text
+    assert (tmp_path / "local" / "0" / paths.local_file_name(20, 0)).exists()
+
+
+@pytest.mark.parametrize("tier", ["GLOBAL", "LOCAL"])
+def test_checkpoints_without_a_record_are_not_adopted(tmp_path, tier):
+    # Issue 15 case 6: a genuine checkpoint of another run copied into a directory with no run.json.
+    if tier == "GLOBAL":
+        _global(tmp_path / "global", 500, run_id="theirs")
+        roots = (tmp_path / "global", tmp_path / "local")
+    else:
+        _local(tmp_path / "local", 500, run_id="theirs")
+        roots = (None, tmp_path / "local")
+    with pytest.raises(family.CheckpointFamilyError) as err:
+        _decide(*roots)
+    text = str(err.value)
+    assert "iter_0000500" in text and "run id theirs" in text and "checkpoint.pretrained_checkpoint" in text
+    assert isinstance(err.value, BadInputError)
 
 
 def test_damaged_local_file_is_quarantined_by_the_read_that_would_load_it(tmp_path):

@@ -1,0 +1,125 @@
+"""Which run family a launch continues, decided from the persistent record first.
+
+A checkpoint names its run (``run_id`` in every manifest and TrainState); a tier root names the run
+whose checkpoints it holds (``run.json``, see :mod:`layout`). The rule:
+
+1. With a persistent tier's directory (GLOBAL: ``checkpoint.load``, else ``checkpoint.save``), the
+   ``run.json`` there decides: it is the record that survives losing a node. A node-local tier
+   (LOCAL) never decides then: a new experiment pointed at a fresh GLOBAL directory next to an old
+   ``local_dir`` is a new run, and the old experiment's LOCAL checkpoints are reported (path, run
+   id) and left alone.
+2. Without a persistent tier's directory, the node-local ``run.json`` decides (the newest any rank sees).
+3. A deciding directory that holds sealed checkpoints (with a manifest) but no ``run.json`` is
+   nobody's on record: it is not adopted. The launch stops and says how to continue from them on
+   purpose.
+
+The tiers are read through their contract
+(:class:`~tierstack.checkpointing.types.CheckpointTierHandler`: ``persistent``, ``run_root``,
+``candidates``), so a new tier needs no change here.
+
+Checkpoints of another family are never resumed, counted by retention or deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+from tierstack.checkpointing import paths
+from tierstack.checkpointing.global_reader import CheckpointLoadError
+from tierstack.checkpointing.types import CheckpointTierHandler
+from tierstack.errors import BadInputError
+from tierstack.runtime import collectives as _dist
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointFamilyError(BadInputError, CheckpointLoadError):
+    """A checkpoint directory holds checkpoints with no record of whose they are."""
+
+
+def _sealed(handler: CheckpointTierHandler) -> list[tuple[str, Optional[str]]]:
+    """This rank's sealed checkpoints of ``handler`` (any run): (path, run id of the manifest).
+
+    Only a checkpoint with a manifest counts: a stray ``iter_*`` directory without one is never a
+    candidate and makes no directory 'unowned'."""
+    found = [(str(c.path), (c.manifest or {}).get("run_id")) for c in handler.candidates(None) if c.manifest]
+    return sorted(found)
+
+
+def _unowned_error(handler: CheckpointTierHandler, found: list[tuple[str, Optional[str]]]) -> str:
+    root, name = handler.run_root, handler.tier.value.upper()
+    shown = "; ".join(f"{p} (run id {rid or 'unknown'})" for p, rid in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    pretrained = found[-1][0] if handler.persistent else "<a GLOBAL step directory>"
+    ids = sorted({rid for _, rid in found if rid})
+    return (
+        f"{name} checkpoint directory {root} holds checkpoints but no {paths.RUN_FILE} saying whose they are: "
+        f"{shown}{more}. They are not this run's on record, so they are not resumed. To continue from them on "
+        f"purpose: start a new run from their weights with checkpoint.pretrained_checkpoint={pretrained} and "
+        "a new, empty checkpoint.save directory; or, if they are this run's own checkpoints and the record was "
+        f"lost, restore it: write {root / paths.RUN_FILE} as {{\"run_id\": \"{ids[0] if ids else '<run id>'}\"}}"
+        " and launch again."
+    )
+
+
+def _deciders(handlers: Sequence[CheckpointTierHandler]) -> list[CheckpointTierHandler]:
+    """The tiers whose record decides: the persistent ones with a directory, else every one with a directory."""
+    rooted = [h for h in handlers if h.run_root is not None]
+    return [h for h in rooted if h.persistent] or rooted
+
+
+def _my_view(handlers: Sequence[CheckpointTierHandler]) -> dict:
+    deciders = _deciders(handlers)
+    view: dict = {"records": {}, "error": None, "left_alone": []}
+    for h in handlers:
+        if h.run_root is None:
+            continue
+        record = paths.read_run_file(h.run_root)
+        found = _sealed(h)
+        if h in deciders:
+            view["records"][h.tier.value] = record
+            if record is None and found and view["error"] is None:
+                view["error"] = _unowned_error(h, found)
+        else:
+            view["left_alone"] += [(h.tier.value.upper(), str(h.run_root), p, rid) for p, rid in found]
+    return view
+
+
+def decide(handlers: Sequence[CheckpointTierHandler]) -> Optional[str]:
+    """Collective: the run family this launch continues, or None for a new run.
+
+    Args:
+        handlers: the tiers of the run (their ``persistent``, ``run_root`` and ``candidates``).
+
+    Raises:
+        CheckpointFamilyError: on every rank, when a deciding directory holds checkpoints without a record.
+    """
+    views = _dist.all_gather_object(_my_view(handlers))
+    error = next((v["error"] for v in views if v["error"]), None)
+    if error:
+        raise CheckpointFamilyError(error)
+    deciders = _deciders(handlers)
+    if any(h.persistent for h in deciders):
+        # rank 0 sees the shared persistent directory; the first persistent tier decides
+        record = views[0]["records"].get(deciders[0].tier.value)
+    else:
+        seen = [r for v in views for r in v["records"].values() if r]
+        record = max(seen, key=lambda info: float(info.get("written_unix", 0.0))) if seen else None
+    family = record["run_id"] if record else None
+    if family is None and _dist.rank() == 0:
+        _report_left_alone(deciders, sorted({x for v in views for x in v["left_alone"]}))
+    return family
+
+
+def _report_left_alone(deciders: Sequence[CheckpointTierHandler], others: list) -> None:
+    """One warning per tier naming the checkpoints of an earlier run that this new run leaves alone."""
+    where = ", ".join(str(h.run_root) for h in deciders)
+    for tier in sorted({t for t, *_ in others}):
+        mine = [(root, p, rid) for t, root, p, rid in others if t == tier]
+        ids = sorted({rid or "unknown" for _, _, rid in mine})
+        log.warning(
+            "resume: %s has no record of a run, so this is a new run; the %d %s checkpoint(s) in %s "
+            "belong to run(s) %s and are left alone (never resumed, retained or deleted), e.g. %s",
+            where, len(mine), tier, mine[0][0], ", ".join(ids), mine[0][1],
+        )
