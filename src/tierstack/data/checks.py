@@ -254,7 +254,7 @@ def check_prefix(prefix: str, tokenizer, cache_dir: Optional[str] = None) -> tup
             "the data's tokenizer, or re-run `tierstack preprocess` with the run's"
         )
     line = (f"{prefix}: {summary.num_documents} documents, {summary.num_tokens} tokens ({summary.dtype.name}), "
-            f"max id {hi} < vocab {vocab} [{how}]")
+            f"ids {lo}..{hi}, vocabulary {vocab} [{how}]")
     return problems, line
 
 

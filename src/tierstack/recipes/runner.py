@@ -90,8 +90,31 @@ def run(
             if not logging.getLogger().handlers:
                 logging.basicConfig(level=logging.INFO, format="%(message)s")
             log.error("rank %s stopped: bad input (rank 0 says which)", os.environ.get("RANK"))
+        if under_torchrun():
+            _exit_with_the_other_ranks(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
     return 0
+
+
+def _exit_with_the_other_ranks(status: int) -> None:
+    """End this rank now, with ``status``, as every other rank does at the same point.
+
+    torchrun stops the other workers (SIGTERM) as soon as one exits non-zero. The interpreter's own
+    teardown after megatron-core is imported takes seconds and varies between ranks (5-10 s on a
+    busy 2-core machine), so a rank reporting the same bad input a little later would be killed and
+    listed as "Signal 15", hiding its clean exit 2. Everything that needs closing was closed by
+    ``pretrain()`` (checkpoint writers, process groups); child processes (multiprocessing managers)
+    are stopped here so that none outlives the rank.
+    """
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def launch(command: Sequence[str], *, nproc_per_node: int) -> int:

@@ -48,7 +48,7 @@ def test_preprocess_writes_a_sidecar_and_the_check_reads_it_without_scanning(cor
     assert meta["max_token_id"] == 256 and meta["num_documents"] == 2
     problems, line = checks.check_prefix(corpus, ByteTokenizer(), str(tmp_path / "cache"))
     assert problems == []
-    assert "no scan" in line and "max id 256 < vocab 257" in line
+    assert "no scan" in line and "ids 0..256, vocabulary 257" in line
     assert not (tmp_path / "cache").exists()  # nothing scanned, nothing cached
 
 
