@@ -65,7 +65,8 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
         return 2
     print(
         f"wrote {stats.bin_path} and {stats.idx_path}: {stats.num_documents} documents, "
-        f"{stats.num_tokens} tokens ({stats.dtype}) from {stats.num_files} file(s) in {stats.seconds:.1f} s"
+        f"{stats.num_tokens} tokens ({stats.dtype}) from {stats.num_files} file(s) in {stats.seconds:.1f} s; "
+        f"tokenizer and max token id {stats.max_token_id} recorded in {stats.sidecar_path}"
     )
     return 0
 

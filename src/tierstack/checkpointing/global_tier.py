@@ -119,9 +119,14 @@ class GlobalTier(StagedTier):
             from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
             from torch.distributed.checkpoint.metadata import MetadataIndex
 
-            q = _get_write_results_queue()
-            q.put(MetadataIndex("tierstack-warmup"))  # makes the server import torch.distributed.checkpoint
-            q.get()
+            try:
+                q = _get_write_results_queue()
+                q.put(MetadataIndex("tierstack-warmup"))  # makes the server import torch.distributed.checkpoint
+                q.get()
+            except (OSError, EOFError) as e:  # the Manager went away (the process is being stopped)
+                # Only a head start for the first save, which starts the Manager itself if needed:
+                # a failure here is not worth a thread traceback on the way out.
+                log.debug("checkpoint writer warm-up stopped: %r", e)
 
         self._warmup = threading.Thread(target=warm, name="tierstack-ckpt-warmup", daemon=True)
         self._warmup.start()
@@ -252,8 +257,12 @@ class GlobalTier(StagedTier):
             )
             manifest.write_manifest(staging / paths.MANIFEST, man)
             final = self.save_root / paths.step_dir_name(step)
-            if final.exists():  # an older run of this step (resumed with ckpt_step): keep it aside
-                paths.quarantine(final, "superseded")
+            if final.exists():
+                theirs = (paths.read_json(final / paths.MANIFEST) or {}).get("run_id")
+                if theirs != run_id:  # another run's checkpoint is never moved, replaced or deleted
+                    raise FileExistsError(f"{final} holds a checkpoint of run {theirs}, not of this run ({run_id}); "
+                                          "not replaced: use another checkpoint.save directory")
+                paths.quarantine(final, "superseded")  # ours, older (resumed with ckpt_step): kept aside
             staging.rename(final)
             paths.fsync_dir(self.save_root)
             paths.atomic_write_text(self.save_root / paths.TRACKER_ITERATION, f"{step}\n")

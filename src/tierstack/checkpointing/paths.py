@@ -17,9 +17,10 @@ LOCAL root (``checkpoint.local_dir``), one folder per global rank (the NVRx layo
     <rank>/iter_0000020_<rank>_local.manifest.json our manifest, written after the file
 
 Run family: ``run.json`` in a tier root names the run (``run_id``) whose checkpoints live there. It
-is written when a run starts fresh and at every publish where it differs. Resume reads the run.json
-of both tiers and takes the one written last; checkpoints whose manifest names another run are not
-candidates, not retained, not deleted (a directory left by another run is left alone).
+is written when a run starts fresh and at every publish where it differs. Which family a launch
+continues is decided by :mod:`tierstack.checkpointing.family` (the GLOBAL record first; a LOCAL
+record only without a GLOBAL directory; checkpoints with no record are not adopted); checkpoints
+whose manifest names another run are not candidates, not retained, not deleted.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 
 from tierstack import runtime
 from tierstack.config import ConfigContainer
+from tierstack.errors import BadInputError
 from tierstack.runtime import collectives
 from tierstack.train_state import TrainState
 
@@ -134,11 +135,13 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
             )
             train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
         train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
-    except BaseException:
+    except BaseException as exc:
         # Nobody else holds the manager yet: close it here. This joins the GLOBAL writer's warm-up:
         # a process that exits while that thread is still starting megatron's result Manager waits
         # for the Manager forever at exit (and no thread traceback follows the error).
         ckpt.close()
+        if isinstance(exc, BadInputError):  # raised alike on every rank: they leave together
+            collectives.barrier()
         raise
     straggler = None
     if cfg.straggler is not None:

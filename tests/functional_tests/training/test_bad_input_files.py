@@ -153,24 +153,31 @@ def test_resume_with_another_tokenizer_and_width_stops_naming_both(tmp_path, bas
 def test_resume_with_allowed_changes_goes_on_and_foreign_checkpoints_are_left_alone(tmp_path, base, data, torchrun):
     run = _copy_base(base, tmp_path)
     ours = _run_id(run / "ckpt")
-    # A genuine checkpoint of another run beside ours (its manifest and TrainState name that run).
-    foreign = run / "ckpt" / "iter_0000500"
-    shutil.copytree(run / "ckpt" / "iter_0000010", foreign)
-    man = json.loads((foreign / "manifest.json").read_text())
-    man.update(step=500, run_id="f0reign00000")
-    (foreign / "manifest.json").write_text(json.dumps(man))
-    before = _tree_digest(foreign)
-    proc, log = _launch(torchrun, tmp_path, *_common(run, data), "train.train_iters=12", "checkpoint.most_recent_k=1")
+    # Genuine checkpoints of another run beside ours (their manifests name that run): one far ahead,
+    # one at the step where this launch ends, so that its final save meets it.
+    foreign = {}
+    for step in (500, 12):
+        foreign[step] = run / "ckpt" / f"iter_{step:07d}"
+        shutil.copytree(run / "ckpt" / "iter_0000010", foreign[step])
+        man = json.loads((foreign[step] / "manifest.json").read_text())
+        man.update(step=step, run_id="f0reign00000")
+        (foreign[step] / "manifest.json").write_text(json.dumps(man))
+    before = {step: _tree_digest(p) for step, p in foreign.items()}
+    proc, log = _launch(torchrun, tmp_path, *_common(run, data), "train.train_iters=12", "checkpoint.save_interval=11",
+                        "checkpoint.most_recent_k=1")
     assert proc.returncode == 0, log[-6000:]
     assert "resumed from local checkpoint of step 10" in log
     changed = [line for line in log.splitlines() if "changed since the checkpoint" in line]
     assert len(changed) == 1 and "train.train_iters 10 -> 12" in changed[0]
-    assert "checkpoint.most_recent_k 2 -> 1" in changed[0]
-    assert f"GLOBAL checkpoint {foreign} belongs to run f0reign00000, not this run ({ours})" in log
-    # Retention (k=1) removed our step 10 after publishing 12; the foreign step 500 is untouched.
+    assert "checkpoint.most_recent_k 2 -> 1" in changed[0] and "checkpoint.save_interval 10 -> 11" in changed[0]
+    for p in foreign.values():
+        assert f"GLOBAL checkpoint {p} belongs to run f0reign00000, not this run ({ours})" in log
+    # Our step 11 was published and retention (k=1) removed our step 10; the final save of step 12
+    # met the other run's iter_0000012 and failed rather than move it.
     names = sorted(p.name for p in (run / "ckpt").iterdir())
-    assert "iter_0000012" in names and "iter_0000010" not in names and "iter_0000500" in names
-    assert _tree_digest(foreign) == before
+    assert "iter_0000011" in names and "iter_0000010" not in names
+    assert f"{foreign[12]} holds a checkpoint of run f0reign00000, not of this run ({ours}); not replaced" in log
+    assert {step: _tree_digest(p) for step, p in foreign.items()} == before
     assert _run_id(run / "ckpt") == ours
 
 
