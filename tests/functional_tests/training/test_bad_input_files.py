@@ -24,7 +24,7 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 BASE_RUN_ID_FILE = "run.json"
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit_tests" / "data"))
-from test_data_checks import train_bpe  # noqa: E402  (the same real 2,000-id tokenizer as the unit tests)
+from bpe_tokenizer import train_bpe  # noqa: E402  (the same real 2,000-id tokenizer as the unit tests)
 
 
 def _stdlib_files(n=40):

@@ -9,29 +9,13 @@ import logging
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from tierstack.data import checks
 from tierstack.data.preprocess import preprocess
 from tierstack.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer
 
-TEXT = "def f(x):\n    return x * 2  # ünïcödé ✓\n" * 40
-
-
-def train_bpe(path, vocab_size=2000):
-    """A byte-level BPE tokenizer.json with ``vocab_size`` ids, trained on repeated text (seconds)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
-    words = [f"tok{i} w{i * 7} {TEXT[: i % 50]}" for i in range(3000)]
-    tok.train_from_iterator(words, trainer)
-    tok.save(str(path))
-    return HuggingFaceTokenizer(path)
+from bpe_tokenizer import TEXT, train_bpe
 
 
 @pytest.fixture
