@@ -55,6 +55,8 @@ def main() -> None:
     t0 = time.perf_counter()
     prefix = ensure_stdlib_corpus(args.cache_dir, tok)
     print(f"corpus {prefix} ready in {time.perf_counter() - t0:.1f} s")
+    if not checks.sidecar_path(prefix).is_file():  # a corpus cached by an older tierstack
+        raise SystemExit(f"{checks.sidecar_path(prefix)} is missing: delete {Path(prefix).parent} to rebuild it")
     summary = checks.read_index(prefix)
     print(f"{summary.num_documents} documents, {summary.num_tokens:,} tokens, {summary.bin_bytes / 1e6:.1f} MB "
           f"({summary.dtype.name}); {args.reps} reps, milliseconds (median, min, max)")
