@@ -4,8 +4,9 @@ All ranks list the candidates of every tier, the newest step that is valid on ev
 a tie goes to the tier listed first (the manager lists the fastest first: LOCAL wins a tie with
 GLOBAL because it loads faster, node-local disk and no resharding). A candidate
 that fails its checks is quarantined and the next is tried; a LOCAL checkpoint written at another
-topology is skipped (it is not broken, just not loadable here); another run's checkpoints are reported and left alone. Which run is "this run" is decided before,
-by :mod:`tierstack.checkpointing.family`.
+topology is skipped (it is not broken, just not loadable here); another run's checkpoints are
+reported and left alone. Which run is "this run" is decided before, by
+:mod:`tierstack.checkpointing.family`.
 """
 
 from __future__ import annotations
