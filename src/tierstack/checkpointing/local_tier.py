@@ -153,8 +153,12 @@ class LocalTier(StagedTier):
         c = self.cfg
         ckpt, man_path = self._paths(step)
         self.rank_dir.mkdir(parents=True, exist_ok=True)
+        theirs = self._owner(step)
+        if theirs not in (None, run_id):  # another run's checkpoint is never replaced or deleted
+            raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
+                                  "not replaced: use another checkpoint.local_dir")
         for n in range(1, max(1, c.save_retries) + 1):
-            self._remove_step(step)
+            self._remove_step(step, run_id)
             try:
                 entry = local_file.write(ckpt, header, buffers)
                 man = manifest.build_manifest(
@@ -164,13 +168,21 @@ class LocalTier(StagedTier):
                 return int(entry["size"])
             except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
                 if n >= c.save_retries or retry.classify(e) != retry.TRANSIENT:
-                    self._remove_step(step)
+                    self._remove_step(step, run_id)
                     raise
                 log.warning("LOCAL write of step %d, attempt %d failed (%s); retrying", step, n, e)
                 time.sleep(c.retry_backoff_s * 2 ** (n - 1))
         raise AssertionError("unreachable")
 
-    def _remove_step(self, step: int) -> None:
+    def _owner(self, step: int) -> Optional[str]:
+        """The run id in this rank's manifest of ``step``; None when there is no manifest."""
+        man = paths.read_json(self._paths(step)[1])
+        return None if man is None else str(man.get("run_id"))
+
+    def _remove_step(self, step: int, run_id: str) -> None:
+        """Remove this rank's files of ``step`` unless a manifest names another run (left alone)."""
+        if self._owner(step) not in (None, run_id):
+            return
         ckpt, man_path = self._paths(step)
         for p in (man_path, ckpt, ckpt.with_name(ckpt.name.replace("_local.pt", "_local.dirty.pt"))):
             p.unlink(missing_ok=True)
@@ -188,7 +200,7 @@ class LocalTier(StagedTier):
         if error is not None:
             log.error("LOCAL write of step %d failed on rank %d: %r", job.step, self.layout.rank, error)
         if not _dist.all_true(error is None):
-            self._remove_step(job.step)
+            self._remove_step(job.step, job.run_id)
             log.error("LOCAL checkpoint of step %d NOT saved (failed on some rank); the previous one stays "
                       "the newest", job.step)
             self.failures.append(job.step)

@@ -107,25 +107,45 @@ def test_tp_change_skips_local_and_reshards_global(tp2_run):
     assert all(abs(float.fromhex(v)) < 10 for v in out[0]["losses"].values())
 
 
+def _files(root: Path, pattern: str) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.glob(pattern))}
+
+
 @pytest.mark.slow
 def test_local_only_then_newer_tier_wins(tmp_path):
+    """Issue 17 item 3: a fresh GLOBAL directory next to an old local_dir is a new run; the old LOCAL
+    checkpoints are reported (path, run id) and left untouched. Within one run family the newer
+    checkpoint wins across tiers, and a tie goes to LOCAL with every counter restored."""
     g, loc = tmp_path / "global", tmp_path / "local"
-    # 1) LOCAL only, step 3
-    launch(tmp_path / "a", "train.train_iters=3", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=3")
+    # 1) LOCAL only, step 3 (run A)
+    a = launch(tmp_path / "a", "train.train_iters=3", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=3")
     assert not g.exists()
-    # 2) no GLOBAL checkpoint exists: resume from LOCAL with every counter restored
+    old_run = a[0]["train_state"]["run_id"]
+    old_files = _files(loc, "*/iter_0000003_*")
+    assert len(old_files) == 4  # a file and a manifest per rank
+    # 2) a fresh GLOBAL directory beside it: a new run, run A's LOCAL checkpoints named and left alone
     b = launch(tmp_path / "b", "train.train_iters=5", f"checkpoint.local_dir={loc}",
                "checkpoint.local_save_interval=2", f"checkpoint.save={g}", "checkpoint.save_interval=4")
-    assert b[0]["resume"]["tier"] == "local" and b[0]["resume"]["step"] == 3
-    assert sorted(b[0]["losses"], key=int) == ["4", "5"]
-    ts = b[0]["train_state"]
-    assert ts["step"] == 5 and ts["consumed_train_samples"] == 20 and ts["resumed_from"] == [3]
-    # LOCAL holds 3 and 4, GLOBAL 4 and 5 (final save): the newer, GLOBAL 5, wins
+    assert b[0]["resume"] is None and sorted(b[0]["losses"], key=int) == ["1", "2", "3", "4", "5"]
+    assert b[0]["train_state"]["run_id"] != old_run and b[0]["train_state"]["resumed_from"] == []
+    assert "is a new run" in b[0]["log"] and f"belong to run(s) {old_run} and are left alone" in b[0]["log"]
+    assert f"the 2 LOCAL checkpoint(s) in {loc}" in b[0]["log"] and str(loc / "0" / "iter_0000003_0_local.pt") in b[0]["log"]
+    assert _files(loc, "*/iter_0000003_*") == old_files
+    # 3) run B's family: LOCAL 2, 4 and GLOBAL 4, 5 (final save): the newer, GLOBAL 5, wins
     c = launch(tmp_path / "c", "train.train_iters=6", f"checkpoint.local_dir={loc}", f"checkpoint.save={g}")
     assert c[0]["resume"]["tier"] == "global" and c[0]["resume"]["step"] == 5
     assert c[0]["train_state"]["run_id"] == b[0]["train_state"]["run_id"] == c[1]["train_state"]["run_id"]
     text, status = listing.verify(str(g))
     assert status == 0 and "global  6" in text
+    # 4) both tiers hold step 4 of run B: the tie goes to LOCAL, every counter restored
+    d = launch(tmp_path / "d", "train.train_iters=5", f"checkpoint.local_dir={loc}", f"checkpoint.save={g}",
+               "checkpoint.ckpt_step=4")
+    assert d[0]["resume"]["tier"] == "local" and d[0]["resume"]["step"] == 4
+    assert sorted(d[0]["losses"], key=int) == ["5"] and d[0]["losses"]["5"] == b[0]["losses"]["5"]
+    ts = d[0]["train_state"]
+    assert ts["step"] == 5 and ts["consumed_train_samples"] == 20 and ts["resumed_from"] == [4]
+    assert ts["run_id"] == b[0]["train_state"]["run_id"]
+    assert _files(loc, "*/iter_0000003_*") == old_files
 
 
 @pytest.mark.slow

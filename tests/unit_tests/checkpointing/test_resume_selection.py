@@ -150,3 +150,18 @@ def test_damaged_local_file_is_quarantined_by_the_read_that_would_load_it(tmp_pa
         f"{f.name}.invalid-checksum-mismatch", f"{paths.local_manifest_name(20, 0)}.invalid-checksum-mismatch"])
     kept = tiers[0]._verified[10]  # the verified bytes wait for load(): no second read
     assert bytes(kept.numpy()) == (rank_dir / paths.local_file_name(10, 0)).read_bytes()
+
+
+def test_a_local_save_never_replaces_or_removes_another_runs_checkpoint_of_the_same_step(tmp_path):
+    # Issue 17 item 3: run B writing its step 20 next to run A's LOCAL step 20 leaves A's files alone.
+    _local(tmp_path / "local", 20, run_id="runA")
+    rank_dir = tmp_path / "local" / "0"
+    before = {p.name: p.read_bytes() for p in rank_dir.iterdir()}
+    tier = LocalTier(_cfg(tmp_path), LAYOUT)
+    try:
+        with pytest.raises(FileExistsError, match="holds a LOCAL checkpoint of run runA"):
+            tier._write_and_seal(20, "runB", {"step": 20}, b"", [], {})
+        tier._remove_step(20, "runB")  # what a failed save of run B does on every rank
+        assert {p.name: p.read_bytes() for p in rank_dir.iterdir()} == before
+    finally:
+        tier.close()
