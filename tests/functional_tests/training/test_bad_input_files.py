@@ -107,7 +107,7 @@ def test_damaged_or_foreign_data_stops_before_any_run_artifact(tmp_path, data, t
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, data):
     """10 steps of the byte-tokenizer run: LOCAL at 5 and 10, GLOBAL at 10."""
-    from conftest import run_torchrun  # the functional tests' launcher (module scope cannot take the fixture)
+    from launcher import run_torchrun  # the functional tests' launcher (module scope cannot take the fixture)
 
     root = tmp_path_factory.mktemp("base")
     proc, log = _launch(run_torchrun, root, f"dataset.data_path=[{data}/byte]", "train.train_iters=10",
