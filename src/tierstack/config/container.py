@@ -138,13 +138,21 @@ class ConfigContainer:
             raise ConfigError(p)
 
     def _validate_parallel(self, world_size: int) -> list[str]:
-        """Megatron's divisibility rules: heads by TP, layers by PP, ranks by TP*PP, batch by micro*DP."""
+        """Megatron's divisibility rules: heads and query groups by TP, layers by PP, ranks by TP*PP,
+        batch by micro*DP."""
         p: list[str] = []
         m, t, d = self.model, self.train, self.distributed
         tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
         if m.num_attention_heads % tp:
             p.append(
                 f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                f"distributed.tensor_model_parallel_size={tp}"
+            )
+        g = m.num_query_groups
+        if g is not None and g >= 1 and m.num_attention_heads % g == 0 and g % tp:
+            # megatron-core splits key/value heads (query groups) over tensor-parallel ranks.
+            p.append(
+                f"model.num_query_groups={g} is not divisible by "
                 f"distributed.tensor_model_parallel_size={tp}"
             )
         if m.num_layers % pp:

@@ -31,6 +31,25 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def activation_function(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The callable megatron-core's ``TransformerConfig.activation_func`` takes for ``model.activation_func``.
+
+    ``gelu`` is the erf form (``torch.nn.functional.gelu``), ``gelu_tanh`` the tanh approximation
+    GPT-2 uses (megatron-core's ``openai_gelu``; Hugging Face ``gelu_new``). With
+    ``model.gated_linear_unit`` the MLP computes ``act(gate) * up`` (SwiGLU when ``silu``).
+
+    Raises:
+        ValueError: an unknown name (names the field).
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer.utils import openai_gelu
+
+    table = {"gelu": F.gelu, "gelu_tanh": openai_gelu, "silu": F.silu, "relu": F.relu}
+    if name not in table:
+        raise ValueError(f"model.activation_func={name!r}: use one of {sorted(table)}")
+    return table[name]
+
+
 def build_transformer_config(cfg: ConfigContainer):
     """megatron-core ``TransformerConfig`` from the model, distributed and train sections."""
     from megatron.core.transformer import TransformerConfig
@@ -44,6 +63,14 @@ def build_transformer_config(cfg: ConfigContainer):
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        normalization=m.normalization,
+        layernorm_epsilon=m.layernorm_epsilon,
+        gated_linear_unit=m.gated_linear_unit,
+        activation_func=activation_function(m.activation_func),
+        num_query_groups=m.num_query_groups,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
         tensor_model_parallel_size=cfg.distributed.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.distributed.pipeline_model_parallel_size,
         hidden_dropout=m.hidden_dropout,
@@ -80,9 +107,10 @@ def _layer_spec(cfg: ConfigContainer):
     use_te = impl == "transformer_engine" or (
         impl == "auto" and runtime.has_gpu() and transformer_engine_available()
     )
+    m = cfg.model
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
-    return get_gpt_layer_local_spec(), "local"
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=m.qk_layernorm), "transformer_engine"
+    return get_gpt_layer_local_spec(qk_layernorm=m.qk_layernorm, normalization=m.normalization), "local"
 
 
 def gpt_model_provider(cfg: ConfigContainer, vocab_size: int) -> Callable[..., torch.nn.Module]:
@@ -110,11 +138,13 @@ def gpt_model_provider(cfg: ConfigContainer, vocab_size: int) -> Callable[..., t
             config=tcfg,
             transformer_layer_spec=spec,
             vocab_size=padded,
-            max_sequence_length=cfg.model.seq_length,
+            max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=cfg.model.share_embeddings_and_output_weights,
-            position_embedding_type="rope",
+            position_embedding_type=cfg.model.position_embedding_type,
+            rotary_base=cfg.model.rotary_base,
+            rotary_percent=cfg.model.rotary_percent,
             parallel_output=True,
         )
 
@@ -122,3 +152,23 @@ def gpt_model_provider(cfg: ConfigContainer, vocab_size: int) -> Callable[..., t
     provider.padded_vocab_size = padded  # type: ignore[attr-defined]
     provider.transformer_impl = impl  # type: ignore[attr-defined]
     return provider
+
+
+def model_vocab_size(cfg: ConfigContainer, tokenizer) -> int:
+    """Embedding rows before padding: ``model.vocab_size`` when set, else the tokenizer's vocabulary.
+
+    A Hugging Face model may have more embedding rows than its tokenizer has ids (Qwen2 does);
+    fewer would leave token ids without an embedding.
+
+    Raises:
+        ValueError: ``model.vocab_size`` is smaller than the tokenizer's vocabulary (names both).
+    """
+    n = cfg.model.vocab_size
+    if n is None:
+        return int(tokenizer.vocab_size)
+    if n < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={n} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size} ids, "
+            f"tokenizer.tokenizer_path={getattr(tokenizer, 'path', None)}): ids would have no embedding row"
+        )
+    return int(n)

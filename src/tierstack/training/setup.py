@@ -108,13 +108,13 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
     from tierstack.data.datasets import check_training_data
     from tierstack.data.tokenizers import build_tokenizer
-    from tierstack.models.gpt import gpt_model_provider
+    from tierstack.models.gpt import gpt_model_provider, model_vocab_size
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler, wire_model_config
 
     tokenizer = build_tokenizer(cfg.tokenizer)
     # Before any run artifact (checkpoint directories, the mlflow run): bad data stops every rank here.
     check_training_data(cfg.dataset, tokenizer)
-    provider = gpt_model_provider(cfg, tokenizer.vocab_size)
+    provider = gpt_model_provider(cfg, model_vocab_size(cfg, tokenizer))
     model = build_model(cfg, provider)
     optimizer = build_optimizer(cfg, model)
     wire_model_config(model, optimizer)
