@@ -1,4 +1,4 @@
-"""The ``tierstack`` command: ``pretrain``, ``preprocess``, ``checkpoints ls|verify``.
+"""The ``tierstack`` command: ``pretrain``, ``preprocess``, ``checkpoints ls|verify``, ``convert``, ``generate``.
 
 ``tierstack pretrain [RECIPE] [--nproc-per-node N] [section.field=value ...]`` runs a recipe by name
 (``gpt_tiny`` by default, the same function as ``recipes/gpt_tiny.py``) or from a recipe file. With
@@ -80,6 +80,49 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     return status
 
 
+def _bad_input_errors() -> tuple:
+    from tierstack.config import ConfigError
+    from tierstack.hf import HFCheckpointError, UnsupportedModelError
+    from tierstack.hf.runtime import CheckpointNotFoundError
+
+    return (HFCheckpointError, UnsupportedModelError, CheckpointNotFoundError, ConfigError, ValueError, FileNotFoundError)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from tierstack import hf
+
+    try:
+        if args.direction == "import":
+            path = hf.import_hf(args.hf_path, args.save, tensor_model_parallel_size=args.tp,
+                                pipeline_model_parallel_size=args.pp,
+                                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        else:
+            path = hf.export_hf(args.load, args.hf_path, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    except _bad_input_errors() as exc:
+        print(f"tierstack convert {args.direction}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import os
+
+    from tierstack.hf.generate import SamplingConfig, generate
+
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    try:
+        out = generate(args.load, args.prompt, sampling)
+    except _bad_input_errors() as exc:
+        print(f"tierstack generate: {exc}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(args.prompt + out.text)
+        logging.getLogger("tierstack").info("new token ids: %s", out.new_ids)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     p = argparse.ArgumentParser(prog="tierstack", description=__doc__.splitlines()[0])
@@ -107,6 +150,32 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("action", choices=["ls", "verify"])
     ck.add_argument("path", help="a GLOBAL save dir, a LOCAL root, a run dir, or one checkpoint")
     ck.set_defaults(func=_cmd_checkpoints)
+
+    cv = sub.add_parser("convert", help="Hugging Face checkpoint <-> GLOBAL checkpoint (one CPU process)")
+    cvs = cv.add_subparsers(dest="direction", required=True)
+    imp = cvs.add_parser("import", help="HF directory (config.json + safetensors) -> GLOBAL checkpoint of step 0")
+    imp.add_argument("--hf-path", required=True, help="directory with config.json, *.safetensors, tokenizer.json")
+    imp.add_argument("--save", required=True, help="GLOBAL checkpoint root to create")
+    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size the run will use (vocabulary padding)")
+    imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size the run will use")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                     help="vocabulary padding multiple (times --tp); default: model.make_vocab_size_divisible_by")
+    exp = cvs.add_parser("export", help="GLOBAL checkpoint (any TP/PP/DP) -> HF directory")
+    exp.add_argument("--load", required=True, help="GLOBAL root (newest step) or ROOT/iter_NNNNNNN")
+    exp.add_argument("--hf-path", required=True, help="output directory")
+    exp.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    exp.add_argument("--max-shard-size", default="5GB", help="safetensors shard size limit (e.g. 5GB, 200MB)")
+    cv.set_defaults(func=_cmd_convert)
+
+    gen = sub.add_parser("generate", help="sample text from a GLOBAL checkpoint (torchrun: one rank per TP rank)")
+    gen.add_argument("--load", required=True, help="GLOBAL root (newest step) or ROOT/iter_NNNNNNN")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_cmd_generate)
     return p
 
 

@@ -61,6 +61,10 @@ class CheckpointManager:
             any load (:mod:`~tierstack.checkpointing.compat`).
         listeners: called on every rank after each *published* GLOBAL save (never for LOCAL).
         tiers: the tier handlers, fastest first; default :func:`build_tiers` (tests pass their own).
+        pretrained_source: collective, on a fresh start with ``pretrained_checkpoint`` set: maps
+            that path to the GLOBAL checkpoint to read the weights from (``training.setup`` passes
+            :func:`tierstack.hf.pretrained.pretrained_root`, which imports a Hugging Face
+            directory); default: the path itself.
     """
 
     def __init__(
@@ -71,8 +75,10 @@ class CheckpointManager:
         run_config: Optional[Mapping[str, Any]] = None,
         listeners: Sequence[Callable[[SaveEvent], None]] = (),
         tiers: Optional[Sequence[CheckpointTierHandler]] = None,
+        pretrained_source: Optional[Callable[[Path], Path]] = None,
     ):
         self.cfg = cfg
+        self._pretrained_source = pretrained_source
         self.layout = parallel_layout
         self.run_config = run_config or {}
         self._listeners = list(listeners)
@@ -148,8 +154,10 @@ class CheckpointManager:
             handler.claim(run_id)
         _dist.barrier()
         if c.pretrained_checkpoint:
-            GlobalReader(c, self.layout).load_pretrained(Path(c.pretrained_checkpoint), objs,
-                                                         run_config=self.run_config)
+            path = Path(c.pretrained_checkpoint)
+            if self._pretrained_source is not None:
+                path = self._pretrained_source(path)
+            GlobalReader(c, self.layout).load_pretrained(path, objs, run_config=self.run_config)
         if _dist.rank() == 0:
             log.info("no checkpoint to resume from: fresh start, run %s", run_id)
         return None

@@ -191,12 +191,13 @@ def load_into(objs, sd: dict) -> None:
 
 
 def import_hf(hf_path: str | Path, save_root: str | Path, *, tensor_model_parallel_size: int = 1,
-              pipeline_model_parallel_size: int = 1) -> Path:
+              pipeline_model_parallel_size: int = 1, make_vocab_size_divisible_by: Optional[int] = None) -> Path:
     """Import an HF checkpoint as a published GLOBAL checkpoint of step 0 under ``save_root``.
 
     The run config recorded with it has the model fields of ``config.json``, the HF
     ``tokenizer.json`` (copied to ``save_root/tokenizer/``) as the tokenizer, and the given TP/PP;
-    the vocabulary is padded for that TP. ``checkpoint.pretrained_checkpoint=save_root`` then starts
+    the vocabulary is padded for that TP (to a multiple of ``make_vocab_size_divisible_by`` x TP;
+    None = ``ModelConfig``'s default). ``checkpoint.pretrained_checkpoint=save_root`` then starts
     a run from these weights. Runs in this process at TP=PP=1 (torch_dist reshards at load).
 
     Returns:
@@ -212,6 +213,8 @@ def import_hf(hf_path: str | Path, save_root: str | Path, *, tensor_model_parall
     save_root = Path(save_root)
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     fields = hf.model_fields
+    if make_vocab_size_divisible_by is not None:
+        fields = {**fields, "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
     src_tok = check_tokenizer(Path(hf_path), fields["vocab_size"])
     run_config_for_hf(fields, src_tok, tp, pp).validate(world_size=tp * pp)  # before anything is written
     target = run_config_for_hf(fields, save_root.resolve() / TOKENIZER_DIR / "tokenizer.json", tp, pp)

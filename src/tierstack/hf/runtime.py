@@ -87,6 +87,9 @@ def parallel_world(cfg: ConfigContainer) -> Iterator:
             )
         yield lay
         return
+    from tierstack.platform import cpu_compat
+
+    compat_was_active = cpu_compat.is_active()
     lay = platform.initialize_distributed(
         tensor_model_parallel_size=d.tensor_model_parallel_size,
         pipeline_model_parallel_size=d.pipeline_model_parallel_size,
@@ -98,6 +101,8 @@ def parallel_world(cfg: ConfigContainer) -> Iterator:
         yield lay
     finally:
         platform.destroy_distributed()
+        if not compat_was_active:  # leave the process as it was (conversion inside a larger program)
+            cpu_compat.deactivate()
 
 
 def build_objects(cfg: ConfigContainer, vocab_size: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
@@ -108,6 +109,7 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
     from tierstack.data.datasets import check_training_data
     from tierstack.data.tokenizers import build_tokenizer
+    from tierstack.hf.pretrained import pretrained_root
     from tierstack.models.gpt import gpt_model_provider, model_vocab_size
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler, wire_model_config
 
@@ -123,7 +125,10 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
 
     tracker = _build_experiment_tracker(cfg, layout)
     listeners = [tracker.log_checkpoint] if tracker is not None else []
-    ckpt = CheckpointManager(cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=listeners)
+    ckpt = CheckpointManager(
+        cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=listeners,
+        pretrained_source=functools.partial(pretrained_root, cfg),  # a Hugging Face directory is imported
+    )
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     try:
         resume_info = ckpt.resume(objs)
