@@ -22,6 +22,7 @@ LR = "lr"
 GRAD_NORM = "grad_norm"
 TOKENS_PER_S = "tokens_per_s"
 STEP_TIME_S = "step_time_s"
+TFLOPS_PER_RANK = "tflops_per_rank"
 
 # (key, label, format) in display order.
 _KNOWN = (
@@ -31,6 +32,7 @@ _KNOWN = (
     (GRAD_NORM, "grad norm {:.2f}"),
     (TOKENS_PER_S, "{:.0f} tok/s"),
     (STEP_TIME_S, "{:.2f} s/it"),
+    (TFLOPS_PER_RANK, "{:.4f} TFLOP/s/rank"),
 )
 _KNOWN_KEYS = {k for k, _ in _KNOWN}
 

@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,13 +158,44 @@ def evaluate(
 
 
 def model_flops_per_iteration(
-    *, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int
+    *,
+    global_batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    num_attention_heads: Optional[int] = None,
+    num_query_groups: Optional[int] = None,
+    ffn_hidden_size: Optional[int] = None,
+    gated_linear_unit: bool = False,
 ) -> float:
-    """Model FLOPs of one training iteration (forward + backward, no recomputation).
+    """Model FLOPs of one training iteration (forward + backward, no recomputation), in FLOPs.
 
-    Formula from Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-    Clusters" (eq. 3): ``72 B s l h^2 (1 + s/(6h) + V/(12 h l))`` with B the global batch, s the
-    sequence length, l layers, h hidden size, V the (padded) vocabulary. It assumes an MLP of 4h.
+    Each matrix multiply of an ``[m, k]`` by a ``[k, n]`` matrix costs ``2 m k n`` FLOPs forward and
+    twice that backward, so 3x the forward count in all. Per token and layer, forward, with h the
+    hidden size, a the attention heads, d = h / a the head size, g the query groups (key/value
+    heads), f ``ffn_hidden_size`` and s the sequence length:
+
+    - QKV projection ``2 h (a d + 2 g d)``, attention scores ``2 s a d`` and their weighted sum
+      ``2 s a d`` (the full s x s matrix, causal half not discounted), output projection ``2 a d h``;
+    - MLP ``2 h f`` for fc1 (x2 with a gated linear unit, which has gate and up), ``2 f h`` for fc2;
+    - once per token, the output layer ``2 h V`` (V the padded vocabulary), tied or untied alike.
+
+    With a = g, f = 4h and no gate this is eq. (3) of Narayanan et al. 2021, "Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM": ``72 B s l h^2 (1 + s/(6h) +
+    V/(12 h l))``; the grouped-query and gated terms follow Megatron-LM's
+    ``num_floating_point_operations`` (megatron/training/training.py). B is the global batch in
+    samples, l the layers. Norms, activations, softmax and embeddings lookups are not counted.
+
+    ``num_attention_heads`` and ``num_query_groups`` matter only with grouped-query attention (both
+    None: multi-head); ``ffn_hidden_size`` None is 4h; ``vocab_size`` is the padded vocabulary.
     """
     b, s, l, h = global_batch_size, seq_length, num_layers, hidden_size
-    return 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + vocab_size / (12.0 * h * l))
+    a = num_attention_heads or 1
+    d = h // a
+    g = num_query_groups or a
+    f = ffn_hidden_size or 4 * h
+    attention = 2 * h * (a * d + 2 * g * d) + 2 * 2 * s * a * d + 2 * a * d * h
+    mlp = 2 * h * f * (2 if gated_linear_unit else 1) + 2 * f * h
+    forward_per_token = l * (attention + mlp) + 2 * h * vocab_size
+    return 3.0 * b * s * forward_per_token

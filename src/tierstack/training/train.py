@@ -65,10 +65,12 @@ def train(
     m = cfg.model
     flops_per_iter = model_flops_per_iteration(
         global_batch_size=cfg.train.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
-        hidden_size=m.hidden_size, vocab_size=s.padded_vocab_size,
+        hidden_size=m.hidden_size, vocab_size=s.padded_vocab_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+        gated_linear_unit=m.gated_linear_unit,
     )
     shape = batch_shape(s)
-    window = _ThroughputWindow()
+    window = _ThroughputWindow(flops_per_iter / s.layout.world_size)
     start_step = ts.step
     stop: Optional[str] = None
     while ts.step < cfg.train.train_iters:
@@ -101,10 +103,11 @@ def train(
 
 
 class _ThroughputWindow:
-    """Tokens and seconds since the last log line: tokens/s and mean step time over that window."""
+    """Tokens and seconds since the last log line: tokens/s, mean step time and TFLOP/s per rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, flops_per_rank_per_iter: float = 0.0) -> None:
         self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        self.flops_per_rank_per_iter = flops_per_rank_per_iter  # model FLOPs of one iteration / world size
 
     def add(self, result) -> None:
         self.seconds += result.seconds
@@ -115,6 +118,9 @@ class _ThroughputWindow:
         out = {
             "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else math.nan,
             "step_time_s": self.seconds / self.steps if self.steps else math.nan,
+            # Model FLOPs per second per rank, in TFLOP/s (model_flops_per_iteration / world size).
+            "tflops_per_rank": self.flops_per_rank_per_iter * self.steps / self.seconds / 1e12
+            if self.seconds > 0 else math.nan,
         }
         self.seconds, self.tokens, self.steps = 0.0, 0, 0
         return out
