@@ -85,9 +85,12 @@ def _check_weight_files(path: Path) -> None:
     from transformers.utils.hub import get_checkpoint_shard_files
 
     try:
-        get_checkpoint_shard_files(str(path), str(index))
-    except (OSError, EnvironmentError) as err:
+        files, _meta = get_checkpoint_shard_files(str(path), str(index))
+    except OSError as err:
         raise HFCheckpointError(f"--hf-path {path}: a weight shard listed in {index.name} is missing ({err})") from err
+    missing = [Path(f).name for f in files if not Path(f).is_file()]
+    if missing:
+        raise HFCheckpointError(f"--hf-path {path}: {index.name} is missing shard file(s) {missing}")
 
 
 def read_hf_model(path: str | Path) -> HFModel:
