@@ -20,7 +20,7 @@ from tierstack.config import ConfigContainer
 IMPORT_DIR = "hf_import"
 # torchrun's variables: without them the importer is a one-rank world of its own.
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 def model_field_differences(cfg: ConfigContainer, fields: dict) -> list[str]:
@@ -93,11 +93,14 @@ def _run_import(cfg: ConfigContainer, hf_dir: Path, root: Path):
     cmd = [sys.executable, "-m", "tierstack.cli", "convert", "import", "--hf-path", str(hf_dir), "--save", str(root),
            "--tp", str(d.tensor_model_parallel_size), "--pp", str(d.pipeline_model_parallel_size),
            "--make-vocab-size-divisible-by", str(cfg.model.make_vocab_size_divisible_by)]
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
+    # TORCHELASTIC_USE_AGENT_STORE among others: kept, the child would wait for torchrun's store.
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return f"checkpoint.pretrained_checkpoint={hf_dir}: import failed: " + " | ".join(tail)
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        ours = [ln for ln in lines if ln.startswith("tierstack convert import:")]  # the CLI's one-line error
+        tail = ours or [ln for ln in lines if "Error" in ln][-2:] or lines[-3:]
+        return f"checkpoint.pretrained_checkpoint={hf_dir}: import failed (exit {proc.returncode}): " + " | ".join(tail)
     return None
 
 

@@ -32,7 +32,7 @@ _KNOWN = (
     (GRAD_NORM, "grad norm {:.2f}"),
     (TOKENS_PER_S, "{:.0f} tok/s"),
     (STEP_TIME_S, "{:.2f} s/it"),
-    (TFLOPS_PER_RANK, "{:.4f} TFLOP/s/rank"),
+    (TFLOPS_PER_RANK, "{:.3g} TFLOP/s/rank"),
 )
 _KNOWN_KEYS = {k for k, _ in _KNOWN}
 
