@@ -87,3 +87,17 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tierstack.cli", "convert", "export", "--load", str(tmp_path / "nope"),
                            "--hf-path", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "latest_checkpointed_iteration.txt" in proc.stderr
+
+
+def test_pretrained_hf_directory_with_other_model_fields_names_each(tmp_path):
+    from tierstack.hf.convert import read_hf_config, run_config_for_hf
+    from tierstack.hf.pretrained import model_field_differences
+
+    tiny_hf.save_model("llama", tmp_path / "hf")
+    _c, _a, fields = read_hf_config(tmp_path / "hf")
+    same = run_config_for_hf(fields, None, 1, 1)
+    assert model_field_differences(same, fields) == []
+    other = dataclasses.replace(same, model=dataclasses.replace(same.model, num_query_groups=4, rotary_base=10000.0))
+    diffs = model_field_differences(other, fields)
+    assert diffs == ["model.num_query_groups=4 but config.json gives 2",
+                     "model.rotary_base=10000.0 but config.json gives 50000.0"]
