@@ -1,8 +1,9 @@
 """Worker for the Hugging Face functional tests (torchrun, gloo).
 
 Usage:
-  hf_worker.py logits STEP_DIR TP PP TOKENS_JSON OUT_JSON   logits of the checkpoint at TP/PP
-  hf_worker.py resave STEP_DIR TP PP NEW_ROOT               load at TP/PP, publish again (TP/PP-written files)
+  hf_worker.py logits STEP_DIR TP PP TOKENS_JSON OUT_JSON [NEW_ROOT]
+      logits of the checkpoint at TP/PP; with NEW_ROOT, then publish the loaded model again there
+      (files written by this TP/PP layout)
   hf_worker.py finetune HF_DIR TP RUN_DIR                   pretrain 1 step from the HF directory; record batch + loss
 """
 
@@ -25,7 +26,7 @@ def _cfg(step_dir, tp, pp):
     return dataclasses.replace(cfg, distributed=d, mlflow=None, straggler=None)
 
 
-def logits(step_dir, tp, pp, tokens_json, out_json):
+def logits(step_dir, tp, pp, tokens_json, out_json, new_root=None):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -36,7 +37,8 @@ def logits(step_dir, tp, pp, tokens_json, out_json):
     tokens = torch.tensor(json.loads(Path(tokens_json).read_text()))
     pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
     with runtime.parallel_world(cfg):
-        model = unwrap(runtime.load_model_weights(cfg, Path(step_dir)).model[0])
+        objs = runtime.load_model_weights(cfg, Path(step_dir))
+        model = unwrap(objs.model[0])
         with torch.no_grad():
             if not ps.is_pipeline_first_stage():
                 hidden = torch.empty(tokens.shape[1], tokens.shape[0], cfg.model.hidden_size)
@@ -49,15 +51,8 @@ def logits(step_dir, tp, pp, tokens_json, out_json):
                 out = tensor_parallel.gather_from_tensor_model_parallel_region(out.contiguous())
                 if ps.get_tensor_model_parallel_rank() == 0:
                     Path(out_json).write_text(json.dumps(out.tolist()))
-
-
-def resave(step_dir, tp, pp, new_root):
-    from tierstack.hf import runtime
-
-    cfg = _cfg(step_dir, tp, pp)
-    with runtime.parallel_world(cfg):
-        objs = runtime.load_model_weights(cfg, Path(step_dir))
-        runtime.save_global(cfg, objs, Path(new_root))
+        if new_root:
+            runtime.save_global(cfg, objs, Path(new_root))
 
 
 def finetune(hf_dir, tp, run_dir):
@@ -93,4 +88,4 @@ def finetune(hf_dir, tp, run_dir):
 
 
 if __name__ == "__main__":
-    {"logits": logits, "resave": resave, "finetune": finetune}[sys.argv[1]](*sys.argv[2:])
+    {"logits": logits, "finetune": finetune}[sys.argv[1]](*sys.argv[2:])
