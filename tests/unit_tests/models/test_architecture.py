@@ -71,3 +71,26 @@ def test_flops_reduce_to_narayanan_eq3_for_the_gpt_shape():
     assert model_flops_per_iteration(cfg, v) == pytest.approx(eq3, rel=1e-12)
     gqa = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_query_groups=2))
     assert model_flops_per_iteration(gqa, v) < model_flops_per_iteration(cfg, v)
+
+
+def test_llama_recipes_validate_and_have_the_llama_shape():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
+    from llama3_145m import llama3_145m_config
+    from llama_tiny import llama_tiny_config
+
+    from tierstack.hf.architectures import architecture_for_export
+
+    tiny, big = llama_tiny_config(), llama3_145m_config()
+    tiny.validate(world_size=2)
+    big.validate(world_size=8)
+    assert tiny.distributed.tensor_model_parallel_size == 2 and tiny.dataset.data_path is None
+    for m in (tiny.model, big.model):
+        assert (m.normalization, m.gated_linear_unit, m.activation_func, m.position_embedding_type) == (
+            "RMSNorm", True, "silu", "rope")
+        assert m.num_query_groups < m.num_attention_heads and not m.share_embeddings_and_output_weights
+        assert architecture_for_export(m).name == "LlamaForCausalLM"
+    assert (big.model.num_layers, big.model.hidden_size, big.model.ffn_hidden_size, big.model.rotary_base) == (
+        2, 768, 2688, 500000.0)
