@@ -2,47 +2,12 @@
 (``Llama3ModelProvider145M``: 2 layers, hidden 768, MLP 2688, 16 query heads in 8 groups, RoPE base
 500000, RMSNorm epsilon 1e-5, untied output layer, init std 0.01), sequence 8192.
 
-Run: ``torchrun --nproc-per-node 8 recipes/llama3_145m.py [section.field=value ...]``.
-With a Llama 3 tokenizer: ``tokenizer.tokenizer_type=huggingface tokenizer.tokenizer_path=.../tokenizer.json``.
+Run: ``python recipes/llama3_145m.py --nproc-per-node 8 [section.field=value ...]`` (validates, then
+launches the ranks), or ``torchrun --nproc-per-node 8 recipes/llama3_145m.py [section.field=value ...]``.
+The config is :func:`tierstack.recipes.llama3_145m.llama3_145m_config`, the same as ``tierstack pretrain llama3_145m``.
 """
 
-from tierstack.config import ConfigContainer
-from tierstack.recipes import gpt_config, run
-
-
-def llama3_145m_config() -> ConfigContainer:
-    """bf16, DistributedOptimizer, TP=1 (DP = world size), both checkpoint tiers."""
-    cfg = gpt_config(
-        "llama3_145m",
-        num_layers=2,
-        hidden_size=768,
-        num_attention_heads=16,
-        seq_length=8192,
-        train_iters=20000,
-        micro_batch_size=1,
-        global_batch_size=32,
-        lr=3e-4,
-        tensor_model_parallel_size=1,
-    )
-    m = cfg.model
-    m.normalization = "RMSNorm"
-    m.layernorm_epsilon = 1e-5
-    m.gated_linear_unit = True
-    m.activation_func = "silu"
-    m.num_query_groups = 8
-    m.ffn_hidden_size = 2688
-    m.add_bias_linear = False
-    m.position_embedding_type = "rope"
-    m.rotary_base = 500000.0
-    m.share_embeddings_and_output_weights = False
-    m.init_method_std = 0.01
-    m.make_vocab_size_divisible_by = 128
-    m.bf16 = True
-    cfg.optimizer.use_distributed_optimizer = True
-    cfg.checkpoint.local_save_interval = 100
-    cfg.checkpoint.save_interval = 1000
-    return cfg
-
+from tierstack.recipes import llama3_145m_config, run
 
 if __name__ == "__main__":
     raise SystemExit(run(llama3_145m_config))

@@ -1,42 +1,12 @@
 """Llama tiny: gpt_tiny's size in the Llama shape (RMSNorm, SwiGLU, grouped-query attention, RoPE,
 untied output layer, no biases), byte tokenizer, TP=2 on 2 ranks.
 
-Run: ``torchrun --nproc-per-node 2 recipes/llama_tiny.py [section.field=value ...]``.
-The default corpus is the Python standard library's sources (preprocessed once, cached).
-Export the result with ``tierstack convert export --load runs/llama_tiny/checkpoints --hf-path OUT``.
+Run: ``python recipes/llama_tiny.py --nproc-per-node 2 [section.field=value ...]`` (validates, then
+launches the ranks), or ``torchrun --nproc-per-node 2 recipes/llama_tiny.py [section.field=value ...]``.
+The config is :func:`tierstack.recipes.llama_tiny.llama_tiny_config`, the same as ``tierstack pretrain llama_tiny``.
 """
 
-from tierstack.config import ConfigContainer
-from tierstack.recipes import gpt_config, run
-
-
-def llama_tiny_config() -> ConfigContainer:
-    """4 layers, hidden 256, 8 query heads in 4 groups, MLP 768 (Llama's 8h/3 rounded up to 256)."""
-    cfg = gpt_config(
-        "llama_tiny",
-        num_layers=4,
-        hidden_size=256,
-        num_attention_heads=8,
-        seq_length=256,
-        train_iters=200,
-        micro_batch_size=8,
-        global_batch_size=8,
-        lr=3e-3,
-        tensor_model_parallel_size=2,
-    )
-    m = cfg.model
-    m.normalization = "RMSNorm"
-    m.layernorm_epsilon = 1e-5
-    m.gated_linear_unit = True
-    m.activation_func = "silu"
-    m.num_query_groups = 4
-    m.ffn_hidden_size = 768
-    m.add_bias_linear = False
-    m.position_embedding_type = "rope"
-    m.rotary_base = 10000.0
-    m.share_embeddings_and_output_weights = False
-    return cfg
-
+from tierstack.recipes import llama_tiny_config, run
 
 if __name__ == "__main__":
     raise SystemExit(run(llama_tiny_config))

@@ -83,7 +83,7 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 def _bad_input_errors() -> tuple:
     from tierstack.config import ConfigError
     from tierstack.hf import HFCheckpointError, UnsupportedModelError
-    from tierstack.hf.runtime import CheckpointNotFoundError
+    from tierstack.hf.checkpoint_io import CheckpointNotFoundError
 
     return (HFCheckpointError, UnsupportedModelError, CheckpointNotFoundError, ConfigError, ValueError, FileNotFoundError)
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from tierstack.config import ConfigContainer, DistributedConfig, ModelConfig, TokenizerConfig
-from tierstack.hf import runtime
+from tierstack.hf import checkpoint_io
 from tierstack.hf.architectures import Architecture, UnsupportedModelError, architecture_for_export, architecture_of_hf
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ def _import_transformers():
 
 def is_hf_directory(path: str | Path) -> bool:
     """True for a directory holding ``config.json`` (and no GLOBAL tracker)."""
-    from tierstack.checkpointing import layout
+    from tierstack.checkpointing import paths
 
     p = Path(path)
-    return (p / "config.json").is_file() and not (p / layout.TRACKER_ITERATION).exists()
+    return (p / "config.json").is_file() and not (p / paths.TRACKER_ITERATION).exists()
 
 
 def read_hf_config(path: str | Path) -> tuple[Any, Architecture, dict]:
@@ -223,11 +223,11 @@ def import_hf(hf_path: str | Path, save_root: str | Path, *, tensor_model_parall
     target = run_config_for_hf(fields, save_root.resolve() / TOKENIZER_DIR / "tokenizer.json", tp, pp)
     padded = padded_vocab_size(fields["vocab_size"], target.model.make_vocab_size_divisible_by, tp)
     here = dataclasses.replace(target, distributed=DistributedConfig(), mlflow=None, straggler=None)
-    with runtime.parallel_world(here):
-        objs = runtime.build_objects(here, padded)
+    with checkpoint_io.parallel_world(here):
+        objs = checkpoint_io.build_objects(here, padded)
         load_into(objs, megatron_state_dict(hf, here.model, padded))
         _copy_tokenizer(Path(hf_path), save_root)
-        step_dir = runtime.save_global(target, objs, save_root)
+        step_dir = checkpoint_io.save_global(target, objs, save_root)
     log.info("imported %s (%s) into %s (TP=%d PP=%d, vocab %d padded to %d)",
              hf_path, hf.architecture.name, step_dir, tp, pp, fields["vocab_size"], padded)
     return step_dir
@@ -237,11 +237,11 @@ def full_megatron_state_dict(load: str | Path) -> tuple[ConfigContainer, dict]:
     """Run config and full (TP=PP=1) megatron-core state dict of a GLOBAL checkpoint, in this process."""
     from tierstack.checkpointing.state import unwrap
 
-    step_dir = runtime.resolve_step_dir(load)
-    cfg = runtime.read_run_config(step_dir)
+    step_dir = checkpoint_io.resolve_step_dir(load)
+    cfg = checkpoint_io.read_run_config(step_dir)
     here = dataclasses.replace(cfg, distributed=DistributedConfig(), mlflow=None, straggler=None)
-    with runtime.parallel_world(here):
-        objs = runtime.load_model_weights(here, step_dir)
+    with checkpoint_io.parallel_world(here):
+        objs = checkpoint_io.load_model_weights(here, step_dir)
         sd = {k: v.detach().clone() for k, v in unwrap(objs.model[0]).state_dict().items()
               if isinstance(v, torch.Tensor)}
     return cfg, sd
@@ -265,7 +265,7 @@ def export_hf(load: str | Path, hf_path: str | Path, *, dtype: str = "fp32", max
 
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(_DTYPES)}")
-    cfg = runtime.read_run_config(runtime.resolve_step_dir(load))
+    cfg = checkpoint_io.read_run_config(checkpoint_io.resolve_step_dir(load))
     arch = architecture_for_export(cfg.model)
     tok = build_tokenizer(cfg.tokenizer)
     vocab = model_vocab_size(cfg, tok)

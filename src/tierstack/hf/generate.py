@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from tierstack.config import DistributedConfig
-from tierstack.hf import runtime
+from tierstack.hf import checkpoint_io
 
 
 @dataclass
@@ -80,9 +80,9 @@ def _last_logits(model, ids: list, vocab: int) -> torch.Tensor:
     """fp32 logits ``[vocab]`` of the next token after ``ids`` (gathered over TP ranks)."""
     from megatron.core import tensor_parallel
 
-    from tierstack import platform
+    from tierstack import runtime
 
-    dev = platform.device()
+    dev = runtime.device()
     tokens = torch.tensor([ids], dtype=torch.long, device=dev)
     position_ids = torch.arange(len(ids), device=dev)[None]
     logits = model(tokens, position_ids, None)[:, -1:, :]  # [1, 1, padded vocab / TP]
@@ -106,14 +106,16 @@ def generate(load: str | Path, prompt: str, sampling: Optional[SamplingConfig] =
     s = sampling or SamplingConfig()
     if s.problems():
         raise ValueError("; ".join(s.problems()))
-    step_dir = runtime.resolve_step_dir(load)
-    cfg = runtime.read_run_config(step_dir)
-    tp = runtime.torchrun_world_size() or 1
+    step_dir = checkpoint_io.resolve_step_dir(load)
+    cfg = checkpoint_io.read_run_config(step_dir)
+    tp = checkpoint_io.torchrun_world_size() or 1
     cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(
         DistributedConfig(), tensor_model_parallel_size=tp, backend=cfg.distributed.backend), mlflow=None, straggler=None)
-    problems = cfg.model.architecture_problems(tp)
-    if cfg.model.num_attention_heads % tp:
-        problems.append(f"model.num_attention_heads={cfg.model.num_attention_heads} is not divisible by TP={tp}")
+    m = cfg.model
+    problems = m.problems()
+    for name, count in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups)):
+        if count is not None and count >= 1 and count % tp:  # megatron-core splits heads over TP ranks
+            problems.append(f"model.{name}={count} is not divisible by TP={tp}")
     if problems:
         raise ValueError(f"cannot generate with TP={tp} (torchrun ranks): " + "; ".join(problems))
     tok = build_tokenizer(cfg.tokenizer)
@@ -125,8 +127,8 @@ def generate(load: str | Path, prompt: str, sampling: Optional[SamplingConfig] =
     if cfg.model.position_embedding_type == "learned_absolute" and len(ids) >= limit:
         raise ValueError(f"--prompt: {len(ids)} tokens; the model's position table has {limit} rows")
     new: list = []
-    with runtime.parallel_world(cfg):
-        model = runtime.load_model_weights(cfg, step_dir).model[0]
+    with checkpoint_io.parallel_world(cfg):
+        model = checkpoint_io.load_model_weights(cfg, step_dir).model[0]
         gen = torch.Generator().manual_seed(s.seed)
         with torch.no_grad():
             for _ in range(s.max_new_tokens):

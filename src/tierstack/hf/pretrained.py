@@ -68,11 +68,11 @@ def import_for_run(cfg: ConfigContainer, hf_dir: Path) -> Path:
     """
     from tierstack.checkpointing import CheckpointLoadError
     from tierstack.hf.convert import read_hf_config
-    from tierstack.runtime import collectives as _dist
+    from tierstack.runtime import collectives
 
     root = Path(cfg.logger.run_dir) / IMPORT_DIR
     error = None
-    if _dist.rank() == 0:
+    if collectives.rank() == 0:
         try:
             _config, _arch, fields = read_hf_config(hf_dir)
             diffs = model_field_differences(cfg, fields)
@@ -81,7 +81,7 @@ def import_for_run(cfg: ConfigContainer, hf_dir: Path) -> Path:
             error = f"checkpoint.pretrained_checkpoint={hf_dir}: {exc}"
         if error is None:
             error = _run_import(cfg, hf_dir, root)
-    error = _dist.broadcast_object(error)
+    error = collectives.broadcast_object(error)
     if error:
         raise CheckpointLoadError(error)
     return root

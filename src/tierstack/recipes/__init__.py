@@ -12,12 +12,26 @@ from tierstack.config import ConfigContainer
 from tierstack.recipes.base import gpt_config
 from tierstack.recipes.gpt_small import gpt_small_config
 from tierstack.recipes.gpt_tiny import gpt_tiny_config
+from tierstack.recipes.llama3_145m import llama3_145m_config
+from tierstack.recipes.llama_tiny import llama_tiny_config
 from tierstack.recipes.runner import launch, run
 
 DEFAULT_RECIPE = "gpt_tiny"
 RECIPES: dict[str, Callable[[], ConfigContainer]] = {
     "gpt_tiny": gpt_tiny_config,
     "gpt_small": gpt_small_config,
+    "llama_tiny": llama_tiny_config,
+    "llama3_145m": llama3_145m_config,
 }
 
-__all__ = ["DEFAULT_RECIPE", "RECIPES", "gpt_config", "gpt_small_config", "gpt_tiny_config", "launch", "run"]
+__all__ = [
+    "DEFAULT_RECIPE",
+    "RECIPES",
+    "gpt_config",
+    "gpt_small_config",
+    "gpt_tiny_config",
+    "launch",
+    "llama3_145m_config",
+    "llama_tiny_config",
+    "run",
+]

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 def _cfg(step_dir, tp, pp):
     from tierstack.config import DistributedConfig
-    from tierstack.hf import runtime
+    from tierstack.hf import checkpoint_io
 
-    cfg = runtime.read_run_config(Path(step_dir))
+    cfg = checkpoint_io.read_run_config(Path(step_dir))
     d = DistributedConfig(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp))
     return dataclasses.replace(cfg, distributed=d, mlflow=None, straggler=None)
 
@@ -31,13 +31,13 @@ def logits(step_dir, tp, pp, tokens_json, out_json, new_root=None):
     from megatron.core import tensor_parallel
 
     from tierstack.checkpointing.state import unwrap
-    from tierstack.hf import runtime
+    from tierstack.hf import checkpoint_io
 
     cfg = _cfg(step_dir, tp, pp)
     tokens = torch.tensor(json.loads(Path(tokens_json).read_text()))
     pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
-    with runtime.parallel_world(cfg):
-        objs = runtime.load_model_weights(cfg, Path(step_dir))
+    with checkpoint_io.parallel_world(cfg):
+        objs = checkpoint_io.load_model_weights(cfg, Path(step_dir))
         model = unwrap(objs.model[0])
         with torch.no_grad():
             if not ps.is_pipeline_first_stage():
@@ -52,7 +52,7 @@ def logits(step_dir, tp, pp, tokens_json, out_json, new_root=None):
                 if ps.get_tensor_model_parallel_rank() == 0:
                     Path(out_json).write_text(json.dumps(out.tolist()))
         if new_root:
-            runtime.save_global(cfg, objs, Path(new_root))
+            checkpoint_io.save_global(cfg, objs, Path(new_root))
 
 
 def finetune(hf_dir, tp, run_dir):

@@ -66,12 +66,12 @@ def test_export_refuses_options_hf_cannot_express_naming_the_field():
 
 
 def test_export_of_a_real_checkpoint_hf_cannot_express_fails_before_writing(tmp_path):
-    from tierstack.hf import runtime
+    from tierstack.hf import checkpoint_io
 
     cfg = ConfigContainer().apply_overrides(["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=4",
                                              "model.seq_length=16", "mlflow=null"])
-    with runtime.parallel_world(cfg):
-        runtime.save_global(cfg, runtime.build_objects(cfg, 257), tmp_path / "ckpt")
+    with checkpoint_io.parallel_world(cfg):
+        checkpoint_io.save_global(cfg, checkpoint_io.build_objects(cfg, 257), tmp_path / "ckpt")
     with pytest.raises(UnsupportedModelError, match="model.normalization='LayerNorm'|model.position_embedding_type"):
         export_hf(tmp_path / "ckpt", tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -11,14 +11,14 @@ import torch
 
 import tiny_hf
 from tierstack.config import DistributedConfig
-from tierstack.hf import export_hf, import_hf, runtime
+from tierstack.hf import checkpoint_io, export_hf, import_hf
 
 
 def megatron_logits(step_dir, tokens, vocab):
-    cfg = runtime.read_run_config(step_dir)
+    cfg = checkpoint_io.read_run_config(step_dir)
     here = dataclasses.replace(cfg, distributed=DistributedConfig(), mlflow=None, straggler=None)
-    with runtime.parallel_world(here):
-        objs = runtime.load_model_weights(here, step_dir)
+    with checkpoint_io.parallel_world(here):
+        objs = checkpoint_io.load_model_weights(here, step_dir)
         pos = torch.arange(tokens.shape[1])[None].expand_as(tokens)
         with torch.no_grad():
             out = objs.model[0](tokens, pos, None)
@@ -57,8 +57,8 @@ def test_vocabulary_padding_is_added_on_import_and_dropped_on_export(tmp_path):
     """qwen2's 101-token vocabulary is padded to 104 (divisor 4) and, for TP=2, to 104 (8)."""
     tiny_hf.save_model("qwen2", tmp_path / "hf")
     step = import_hf(tmp_path / "hf", tmp_path / "ckpt", tensor_model_parallel_size=2)
-    assert runtime.saved_padded_vocab_size(step) == 104
-    cfg = runtime.read_run_config(step)
+    assert checkpoint_io.saved_padded_vocab_size(step) == 104
+    cfg = checkpoint_io.read_run_config(step)
     assert cfg.distributed.tensor_model_parallel_size == 2 and cfg.model.vocab_size == 101
     assert cfg.model.share_embeddings_and_output_weights  # qwen2 tiny is tied
     assert cfg.model.add_qkv_bias and not cfg.model.add_bias_linear

@@ -7,6 +7,18 @@ import torch
 
 from tierstack.config import ConfigContainer, ConfigError
 
+def _flops(cfg: ConfigContainer, vocab_size: int) -> float:
+    from tierstack.training.loop import model_flops_per_iteration
+
+    m = cfg.model
+    return model_flops_per_iteration(
+        global_batch_size=cfg.train.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
+        hidden_size=m.hidden_size, vocab_size=vocab_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
+        gated_linear_unit=m.gated_linear_unit,
+    )
+
+
 LLAMA = ["model.normalization=RMSNorm", "model.gated_linear_unit=true", "model.activation_func=silu",
          "model.add_bias_linear=false", "model.share_embeddings_and_output_weights=false"]
 
@@ -44,44 +56,43 @@ def test_flops_per_iteration_equal_a_count_of_the_model_matmuls(shape):
     """torch's FlopCounterMode counts every matmul of a real forward + backward of the megatron model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tierstack.hf import runtime
+    from tierstack.hf import checkpoint_io
     from tierstack.models.gpt import gpt_model_provider
-    from tierstack.training.loop import model_flops_per_iteration
 
     cfg = ConfigContainer().apply_overrides(shape + ["model.num_layers=2", "model.hidden_size=64",
                                                      "model.num_attention_heads=4", "model.seq_length=32",
                                                      "train.global_batch_size=2", "mlflow=null"])
     vocab = 128
-    with runtime.parallel_world(cfg):
+    with checkpoint_io.parallel_world(cfg):
         model = gpt_model_provider(cfg, vocab)()
         tokens = torch.randint(0, vocab, (2, 32))
         pos = torch.arange(32)[None].expand(2, 32)
         with FlopCounterMode(display=False) as counter:
             model(tokens, pos, None, labels=tokens).sum().backward()
     counted = counter.get_total_flops()
-    assert model_flops_per_iteration(cfg, vocab) == pytest.approx(counted, rel=1e-9)
+    assert _flops(cfg, vocab) == pytest.approx(counted, rel=1e-9)
 
 
 def test_flops_reduce_to_narayanan_eq3_for_the_gpt_shape():
-    from tierstack.training.loop import model_flops_per_iteration
-
     cfg = ConfigContainer()
     b, s, l, h, v = cfg.train.global_batch_size, cfg.model.seq_length, cfg.model.num_layers, cfg.model.hidden_size, 264
     eq3 = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * h * l))
-    assert model_flops_per_iteration(cfg, v) == pytest.approx(eq3, rel=1e-12)
+    assert _flops(cfg, v) == pytest.approx(eq3, rel=1e-12)
     gqa = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_query_groups=2))
-    assert model_flops_per_iteration(gqa, v) < model_flops_per_iteration(cfg, v)
+    assert _flops(gqa, v) < _flops(cfg, v)
 
 
 def test_llama_recipes_validate_and_have_the_llama_shape():
-    import sys
+    import runpy
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "recipes"))
-    from llama3_145m import llama3_145m_config
-    from llama_tiny import llama_tiny_config
-
     from tierstack.hf.architectures import architecture_for_export
+    from tierstack.recipes import RECIPES, llama3_145m_config, llama_tiny_config
+
+    recipes_dir = Path(__file__).resolve().parents[3] / "recipes"
+    for name, fn in (("llama_tiny", llama_tiny_config), ("llama3_145m", llama3_145m_config)):
+        assert RECIPES[name] is fn  # 'tierstack pretrain NAME' runs it
+        assert runpy.run_path(str(recipes_dir / f"{name}.py"), run_name="not_main")[f"{name}_config"] is fn
 
     tiny, big = llama_tiny_config(), llama3_145m_config()
     tiny.validate(world_size=2)

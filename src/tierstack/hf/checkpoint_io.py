@@ -1,9 +1,10 @@
 """Build a megatron-core model outside a training job and move GLOBAL checkpoints in and out of it.
 
 Conversion and generation build the same objects a training run builds (``training.setup``'s
-model, optimizer and LR schedule) and save or load them only through the checkpoint package's
-public :class:`~tierstack.checkpointing.CheckpointManager`, so manifests, trackers and run configs
-are exactly those of a training run.
+model, optimizer and LR schedule). They save only through the checkpoint package's public
+:class:`~tierstack.checkpointing.CheckpointManager`, so manifests, trackers and run configs are
+exactly those of a training run, and read weights through the read-only
+:class:`~tierstack.checkpointing.global_reader.GlobalReader` a run's pretrained start uses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
-from tierstack.checkpointing import layout as ckpt_layout
+from tierstack.checkpointing import paths as ckpt_paths
 from tierstack.config import CheckpointConfig, ConfigContainer
 
 
@@ -30,14 +31,14 @@ def resolve_step_dir(load: str | Path) -> Path:
         CheckpointNotFoundError: no such directory, no tracker, or no ``run_config.yaml`` in it.
     """
     path = Path(load)
-    if ckpt_layout.parse_step_dir(path.name) is None:
-        tracker = path / ckpt_layout.TRACKER_ITERATION
+    if ckpt_paths.parse_step_dir(path.name) is None:
+        tracker = path / ckpt_paths.TRACKER_ITERATION
         if not tracker.is_file():
             raise CheckpointNotFoundError(
                 f"--load {path}: neither a step directory (iter_NNNNNNN) nor a GLOBAL root with {tracker.name}"
             )
-        path = path / ckpt_layout.step_dir_name(int(tracker.read_text().strip()))
-    for needed in (ckpt_layout.MANIFEST, ckpt_layout.RUN_CONFIG):
+        path = path / ckpt_paths.step_dir_name(int(tracker.read_text().strip()))
+    for needed in (ckpt_paths.MANIFEST, ckpt_paths.RUN_CONFIG):
         if not (path / needed).is_file():
             raise CheckpointNotFoundError(f"--load {path}: no {needed} (not a published GLOBAL checkpoint)")
     return path
@@ -47,7 +48,7 @@ def read_run_config(step_dir: Path) -> ConfigContainer:
     """The ``ConfigContainer`` a checkpoint was saved with (its ``run_config.yaml``)."""
     from omegaconf import OmegaConf
 
-    data = OmegaConf.to_container(OmegaConf.load(step_dir / ckpt_layout.RUN_CONFIG), resolve=True)
+    data = OmegaConf.to_container(OmegaConf.load(step_dir / ckpt_paths.RUN_CONFIG), resolve=True)
     return ConfigContainer.from_dict(data)  # type: ignore[arg-type]
 
 
@@ -73,11 +74,11 @@ def parallel_world(cfg: ConfigContainer) -> Iterator:
     """
     import torch.distributed as dist
 
-    from tierstack import platform
+    from tierstack import runtime
 
     d = cfg.distributed
     if dist.is_initialized():
-        lay = platform.current_layout()
+        lay = runtime.current_layout()
         if (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size) != (
             d.tensor_model_parallel_size, d.pipeline_model_parallel_size
         ):
@@ -87,10 +88,10 @@ def parallel_world(cfg: ConfigContainer) -> Iterator:
             )
         yield lay
         return
-    from tierstack.platform import cpu_compat
+    from tierstack.runtime import cpu_compat
 
     compat_was_active = cpu_compat.is_active()
-    lay = platform.initialize_distributed(
+    lay = runtime.initialize_distributed(
         tensor_model_parallel_size=d.tensor_model_parallel_size,
         pipeline_model_parallel_size=d.pipeline_model_parallel_size,
         seed=cfg.rng.seed,
@@ -100,7 +101,7 @@ def parallel_world(cfg: ConfigContainer) -> Iterator:
     try:
         yield lay
     finally:
-        platform.destroy_distributed()
+        runtime.destroy_distributed()
         if not compat_was_active:  # leave the process as it was (conversion inside a larger program)
             cpu_compat.deactivate()
 
@@ -114,33 +115,28 @@ def build_objects(cfg: ConfigContainer, vocab_size: int):
     """
     from tierstack.checkpointing import TrainingObjects
     from tierstack.models.gpt import gpt_model_provider
+    from tierstack.train_state import TrainState
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler
-    from tierstack.training.state import TrainState
 
     provider = gpt_model_provider(cfg, vocab_size)
     model = build_model(cfg, provider)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
-    return TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=TrainState(), config=cfg)
+    return TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=TrainState())
 
 
 def load_model_weights(cfg: ConfigContainer, step_dir: Path):
     """Build a model at ``cfg.distributed``'s TP/PP and load a GLOBAL checkpoint's weights into it.
 
-    The checkpoint may have been saved at any TP/PP/DP: megatron-core reshards it. Collective when
+    The checkpoint may have been saved at any TP/PP/DP: megatron-core reshards it. Read-only (the
+    :class:`GlobalReader` a run's pretrained start uses; no tier, no writer). Collective when
     several ranks run. Returns the ``TrainingObjects`` (weights loaded; counters and optimizer fresh).
     """
-    from tierstack.checkpointing import CheckpointManager
-    from tierstack import platform
+    from tierstack import runtime
+    from tierstack.checkpointing.global_reader import GlobalReader
 
-    run = dataclasses.replace(cfg, checkpoint=CheckpointConfig(pretrained_checkpoint=str(step_dir)), mlflow=None,
-                              straggler=None)
-    objs = build_objects(run, saved_padded_vocab_size(step_dir))
-    manager = CheckpointManager(run, platform.current_layout())
-    try:
-        manager.resume(objs)  # no checkpoint of its own: a fresh start that loads the weights only
-    finally:
-        manager.close()
+    objs = build_objects(cfg, saved_padded_vocab_size(step_dir))
+    GlobalReader(CheckpointConfig(), runtime.current_layout()).load_pretrained(Path(step_dir), objs)
     for chunk in objs.model:
         chunk.eval()
     return objs
@@ -152,22 +148,21 @@ def save_global(cfg: ConfigContainer, objs, save_root: Path) -> Path:
     Model weights only (no optimizer state, no RNG): the checkpoint is a start for training, not a
     resume point. Returns the published step directory.
     """
+    from tierstack import runtime
     from tierstack.checkpointing import CheckpointManager, CheckpointTier
-    from tierstack import platform
-    from tierstack.checkpointing import _dist
+    from tierstack.runtime import collectives
 
     ckpt = CheckpointConfig(save=str(save_root), async_save=False, save_optim=False, save_rng=False, most_recent_k=-1)
     run = dataclasses.replace(cfg, checkpoint=ckpt)
-    objs = dataclasses.replace(objs, config=run)
     if not objs.train_state.run_id:
-        objs.train_state.run_id = _dist.broadcast_object(uuid.uuid4().hex[:12])
-    manager = CheckpointManager(run, platform.current_layout())
+        objs.train_state.run_id = collectives.broadcast_object(uuid.uuid4().hex[:12])
+    manager = CheckpointManager(ckpt, runtime.current_layout(), run_config=run.to_dict())
     try:
         manager.save(CheckpointTier.GLOBAL, objs)
     finally:
         manager.close()
-    path = Path(save_root) / ckpt_layout.step_dir_name(objs.train_state.step)
-    if not (path / ckpt_layout.MANIFEST).is_file():
+    path = Path(save_root) / ckpt_paths.step_dir_name(objs.train_state.step)
+    if not (path / ckpt_paths.MANIFEST).is_file():
         raise RuntimeError(f"GLOBAL checkpoint {path} was not published (see the log above)")
     return path
 
