@@ -41,6 +41,16 @@ def test_bad_architecture_fields_are_named(overrides, tp, message):
     assert message in str(err.value)
 
 
+def test_model_section_checks_its_own_architecture_fields_and_leaves_tp_to_the_container():
+    from tierstack.config import ModelConfig
+
+    bad = ModelConfig(num_query_groups=3, normalization="rmsnorm")
+    with pytest.raises(ConfigError) as err:
+        bad.validate()
+    assert sorted(p.split(":")[0] for p in err.value.problems) == ["model.normalization='rmsnorm'", "model.num_query_groups=3"]
+    assert ModelConfig(num_query_groups=2).problems() == []  # 2 groups at TP=4 is a cross-section rule
+
+
 def test_llama_shape_builds_megatron_modules():
     from tierstack.models.gpt import build_transformer_config
 
