@@ -66,14 +66,14 @@ def test_a_model_field_added_later_is_compared_without_being_listed(monkeypatch)
     # A new architecture field (e.g. from the Llama work) shapes tensors unless declared otherwise.
     saved = _record(ConfigContainer())
     fields = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(ModelConfig)]
-    Extended = dataclasses.make_dataclass("ModelConfig", fields + [("num_query_groups", int, 8)], kw_only=True)
+    Extended = dataclasses.make_dataclass("ModelConfig", fields + [("moe_router_topk", int, 8)], kw_only=True)
     Extended.NOT_TENSOR_SHAPING = ModelConfig.NOT_TENSOR_SHAPING
     monkeypatch.setattr(compat, "ModelConfig", Extended)
     cfg = ConfigContainer()
     cfg.model = Extended(**dataclasses.asdict(cfg.model))
     compat.check(saved, cfg.to_dict(), "old")  # the default: what the checkpoint had before the field existed
-    cfg.model.num_query_groups = 2
-    with pytest.raises(compat.CheckpointMismatchError, match="model.num_query_groups: 8 in the checkpoint, 2 now"):
+    cfg.model.moe_router_topk = 2
+    with pytest.raises(compat.CheckpointMismatchError, match="model.moe_router_topk: 8 in the checkpoint, 2 now"):
         compat.check(saved, cfg.to_dict(), "old")
 
 
