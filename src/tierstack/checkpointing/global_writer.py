@@ -4,7 +4,7 @@ its write plan on our writer thread instead of a forked process.
 megatron-core 0.16.1 (``dist_checkpointing.save(..., async_sharded_save=True)``) returns an
 ``AsyncRequest`` whose ``async_fn`` is ``FileSystemWriterAsync.write_preloaded_data_multiproc``:
 meant to run in a process of megatron's ``AsyncCallsQueue`` (forked per save on CPU, because the
-persistent worker calls ``torch.cuda.set_device``), it forks one more process per write bucket.
+persistent worker selects a CUDA device at start), it forks one more process per write bucket.
 Each fork makes the training process's memory copy-on-write while the writer lives, so the next
 step faults on every page of weights and Adam state it updates. What megatron allows instead:
 
