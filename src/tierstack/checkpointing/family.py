@@ -12,6 +12,12 @@ whose checkpoints it holds (``run.json``, see :mod:`layout`). The rule:
 3. A deciding directory that holds sealed checkpoints (with a manifest) but no ``run.json`` is
    nobody's on record: it is not adopted. The launch stops and says how to continue from them on
    purpose.
+4. Evidence of an earlier run in a deciding directory (its ``run.json``, trackers, checkpoints in
+   any state: published, staging, ``.dirty``, quarantined) with no valid checkpoint to resume from
+   stops the launch (:func:`evidence`, checked by the manager before a fresh start) unless
+   ``checkpoint.allow_fresh_start_on_invalid=true``: however often it is relaunched, a run never
+   silently starts over where its history is. Directories that do not decide (an old node-local
+   ``local_dir`` beside a fresh GLOBAL directory, rule 1) are not evidence: they are left alone.
 
 The tiers are read through their contract
 (:class:`~tierstack.checkpointing.types.CheckpointTierHandler`: ``persistent``, ``run_root``,
@@ -123,3 +129,28 @@ def _report_left_alone(deciders: Sequence[CheckpointTierHandler], others: list) 
             "belong to run(s) %s and are left alone (never resumed, retained or deleted), e.g. %s",
             where, len(mine), tier, mine[0][0], ", ".join(ids), mine[0][1],
         )
+
+
+_EVIDENCE_PREFIXES = ("iter_", paths.RUN_FILE, "latest_")
+
+
+def _evidence_in(root) -> list[str]:
+    """This rank's view of what an earlier run left in ``root`` (and in its LOCAL rank folders)."""
+    if root is None or not root.is_dir():
+        return []
+    found = []
+    for p in sorted(root.iterdir()):
+        entries = sorted(p.iterdir()) if p.is_dir() and p.name.isdigit() else [p]  # LOCAL rank folders
+        found += [str(e) for e in entries if e.name.startswith(_EVIDENCE_PREFIXES)]
+    return found
+
+
+def evidence(handlers: Sequence[CheckpointTierHandler]) -> list[str]:
+    """Collective: every path any rank finds of an earlier run in the directories that decide the
+    run family (rule 4): run file, trackers, checkpoints in any state. Empty when there is none.
+
+    Returns:
+        Sorted paths (at most 20 per rank), the same list on every rank.
+    """
+    mine = [f for h in _deciders(handlers) for f in _evidence_in(h.run_root)]
+    return sorted({f for view in _dist.all_gather_object(mine[:20]) for f in view})

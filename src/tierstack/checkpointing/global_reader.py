@@ -69,6 +69,8 @@ class GlobalReader:
         optim = self._load_optim_decision(man, objs, model_only)
         model_settings.check_load(man, model_settings.model_settings(objs.model), optim=optim, where=str(path))
         rng = c.load_rng and not model_only and man.get("has_rng", True) and saved == now
+        if c.load_rng and not model_only and not man.get("has_rng", True):
+            ckpt_state.warn_no_rng(step, "global")
         if c.load_rng and not model_only and saved != now:
             log.warning("GLOBAL load: topology changed %s -> %s; per-rank RNG state not restored", saved, now)
         sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)

@@ -14,7 +14,6 @@ when the save was scheduled. At most one save is in flight.
 
 from __future__ import annotations
 
-import io
 import logging
 import shutil
 import time
@@ -23,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-import torch
-
-from tierstack.checkpointing import compat, global_writer, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import (
+    compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
+)
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.staging import StagedTier
@@ -111,16 +110,16 @@ class GlobalTier(StagedTier):
 
         Both sync and async torch_dist saves report write results through a spawned multiprocessing
         Manager; its server process imports torch when it first unpickles a result (~5 s on 2 CPU
-        cores). A thread pays that now; the first save joins it instead of paying it inline.
+        cores). A thread pays that now; the first save joins it instead of paying it inline. The
+        Manager is ours (megatron-core's, started on first use, would outlive a killed rank).
         """
         import threading
 
         def warm():
-            from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
             from torch.distributed.checkpoint.metadata import MetadataIndex
 
             try:
-                q = _get_write_results_queue()
+                q = global_writer.start_results_channel()
                 q.put(MetadataIndex("tierstack-warmup"))  # makes the server import torch.distributed.checkpoint
                 q.get()
             except (OSError, EOFError) as e:  # the Manager went away (the process is being stopped)
@@ -168,6 +167,8 @@ class GlobalTier(StagedTier):
             **compat.manifest_fields(self.run_config),  # tokenizer and config, compared before a resume
         }
         captured = dict(objs.train_state.state_dict())
+        if _dist.rank() == 0:  # nothing in flight now: what an interrupted save left is not ours to keep
+            paths.remove_leftovers(self.save_root, run_id)
 
         def attempt(n: int):
             staging = self.save_root / paths.staging_dir_name(step, run_id, n)
@@ -205,9 +206,10 @@ class GlobalTier(StagedTier):
 
         def plan():
             global_writer.stage_sharded_tensors(sd, self._stager)
-            return dist_checkpointing.save(
-                sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True
-            )
+            with rank0_phases.deferring():  # rank 0's common.pt write fails after megatron's collectives
+                return dist_checkpointing.save(
+                    sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True
+                )
 
         return retry.run_agreed(plan)
 
@@ -248,7 +250,7 @@ class GlobalTier(StagedTier):
             raise retry.SaveAttemptFailed(retry.PERMANENT, RuntimeError(
                 f"files written {sorted(set(files) - set(names))} are not in the staging directory"))
 
-        def publish():
+        def publish_on_rank0():
             if _dist.rank() != 0:
                 return
             man = manifest.build_manifest(
@@ -256,22 +258,9 @@ class GlobalTier(StagedTier):
                 train_state=train_state, files=files, **extra,
             )
             manifest.write_manifest(staging / paths.MANIFEST, man)
-            final = self.save_root / paths.step_dir_name(step)
-            if final.exists():
-                theirs = (paths.read_json(final / paths.MANIFEST) or {}).get("run_id")
-                if theirs != run_id:  # another run's checkpoint is never moved, replaced or deleted
-                    raise FileExistsError(f"{final} holds a checkpoint of run {theirs}, not of this run ({run_id}); "
-                                          "not replaced: use another checkpoint.save directory")
-                paths.quarantine(final, "superseded")  # ours, older (resumed with ckpt_step): kept aside
-            staging.rename(final)
-            paths.fsync_dir(self.save_root)
-            paths.atomic_write_text(self.save_root / paths.TRACKER_ITERATION, f"{step}\n")
-            buf = io.BytesIO()
-            torch.save(train_state, buf)
-            paths.atomic_write_bytes(self.save_root / paths.TRACKER_TRAIN_STATE, buf.getvalue())
-            paths.write_run_file(self.save_root, run_id)
+            publish.publish_step(self.save_root, step, staging, train_state, run_id)
 
-        retry.run_agreed(publish)
+        retry.run_agreed(publish_on_rank0)
 
     def _after_publish(self, step: int, run_id: str, blocked_s: float) -> None:
         path = self.save_root / paths.step_dir_name(step)
@@ -290,20 +279,23 @@ class GlobalTier(StagedTier):
     def finalize(self, blocking: bool) -> None:
         """Collective: publish the save in flight once its writer ended on every rank (or wait for
         it when ``blocking``). A failure on any rank fails it on every rank: the staging directory
-        is removed and the step recorded in ``failures``."""
+        is removed and the step recorded in ``failures``.
+
+        The writer thread already retried its transient errors, so a writer failure is final. What
+        runs here on the training thread (megatron's finalize with rank 0's ``.metadata`` and
+        ``metadata.json`` writes, then seal and publish) is retried as a whole on a transient error;
+        a retry re-runs only rank 0's failed metadata writes (the data files are complete).
+        """
         job: Optional[_InFlight] = self._take_ended(blocking)
         if job is None:
             return
         t0 = time.perf_counter()
         error = self._job_error(job)
         if error is not None:
-            log.error("GLOBAL write of step %d failed on rank %d: %r", job.step, _dist.rank(), error)
+            log.error("GLOBAL write of step %d failed on rank %d: %s", job.step, _dist.rank(), errors.describe(error))
         try:
-            if not _dist.all_true(error is None):
-                raise retry.SaveAttemptFailed(retry.PERMANENT, error)
-            # megatron's own finalize: write results gathered, .metadata written (collective)
-            retry.run_agreed(lambda: [fn() for fn in job.request.finalize_fns])
-            self._seal_and_publish(job.step, job.staging, job.train_state, job.run_id, job.extra, job.job.result())
+            retry.agree(error)  # every rank learns every rank's cause (rank, path, errno)
+            self._finalize_attempts(job)
         except retry.SaveAttemptFailed as e:
             if error is None:
                 global_writer.discard_results(job.request)
@@ -315,6 +307,30 @@ class GlobalTier(StagedTier):
             return
         self.last_durable_s = time.perf_counter() - job.started
         self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
+
+    def _finalize_attempts(self, job: _InFlight) -> None:
+        """Collective: megatron's finalize, seal and publish, retried together on a transient error."""
+        c = self.cfg
+        pending = rank0_phases.Deferred()
+
+        def megatron_finalize() -> None:
+            try:  # collective: write results gathered; rank 0's metadata writes report after it
+                with rank0_phases.deferring(pending):
+                    for fn in job.request.finalize_fns:
+                        fn()
+            except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+                if pending.calls or isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                # the writer thread already retried its transient errors: the files are not there
+                raise errors.NotRetryable(f"background write failed: {errors.describe(e)}") from e
+
+        def attempt(n: int) -> None:
+            retry.run_agreed(megatron_finalize if n == 1 else pending.rerun)
+            self._seal_and_publish(job.step, job.staging, job.train_state, job.run_id, job.extra, job.job.result())
+
+        retry.run_attempts(attempt, attempts=c.save_retries, backoff_s=c.retry_backoff_s,
+                           on_failure=lambda n, e: log.warning(
+                               "GLOBAL finalize of step %d, attempt %d failed: %s", job.step, n, e))
 
     # ------------------------------------------------------------------ resume
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
@@ -351,7 +367,17 @@ class GlobalTier(StagedTier):
         return self._reader.load(self.load_root, step, objs)
 
     def close(self) -> None:
-        """Collective: publish (or fail) the save in flight, stop the writer, free the buffers."""
+        """Collective: publish (or fail) the save in flight, stop the writer, free the buffers, and
+        stop the writer's result channel (a multiprocessing Manager that would otherwise be joined
+        at interpreter exit)."""
         # A warm-up still talking to the Manager when the process exits dies with EOFError.
-        self._wait_warm()
-        super().close()
+        warm, self._warmup = self._warmup, None
+        try:
+            super().close()
+        finally:
+            if warm is not None:
+                warm.join(timeout=_WARMUP_JOIN_S)
+                global_writer.shutdown_results_channel()
+
+
+_WARMUP_JOIN_S = 60.0

@@ -15,6 +15,10 @@ step faults on every page of weights and Adam state it updates. What megatron al
   through plain queues; calling it per bucket on our writer thread, then handing the results to
   the request's results queue, is what ``write_preloaded_data_multiproc`` does without the forks.
   megatron's own finalize (gathering the write results, the ``.metadata`` file) then runs unchanged.
+
+The write results still travel through megatron's results queue, served by a spawned
+multiprocessing Manager; :func:`start_results_channel` starts that Manager ourselves so that it
+exits when its rank dies (and :func:`shutdown_results_channel` stops it at close).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import queue
 import time
 from pathlib import Path
 
-from tierstack.checkpointing import manifest, retry
+from tierstack.checkpointing import errors, manifest
+from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.staging import Stager
 
 log = logging.getLogger(__name__)
@@ -49,9 +54,11 @@ def stage_sharded_tensors(sharded_state_dict: dict, stager: Stager) -> None:
 def write_request(request, staging: Path, *, attempts: int, backoff_s: float) -> dict[str, dict]:
     """Writer thread: write this rank's buckets of a megatron ``AsyncRequest``, fsync'd.
 
-    Transient I/O errors of a bucket are retried (``attempts`` in all, backoff doubling from
-    ``backoff_s``); the bucket's file is rewritten whole. Then each file this rank wrote is
-    checksummed (CRC-32C, from the page cache right after the write).
+    Transient I/O errors (classified by root cause, :mod:`errors`) of a bucket are retried
+    (``attempts`` in all, backoff doubling from ``backoff_s``); the bucket's file is rewritten
+    whole. Then each file this rank wrote is checksummed (CRC-32C, from the page cache right after
+    the write), also retried on a transient read error. Every failed attempt is logged with the
+    rank, path and errno.
 
     Returns:
         ``{file name relative to staging: {"size", "crc32c"}}`` of this rank's files.
@@ -66,21 +73,39 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
     transform_list, _use_msc = request.async_fn.args
     _rank, buckets, results_queue = request.async_fn_args
     results: dict = {}
+
+    def write_bucket(i: int, bucket) -> None:
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
+        _idx, out = local.get()
+        if isinstance(out, Exception):
+            raise out
+        results[i] = out
+
     for i, bucket in enumerate(buckets):
-        for n in range(1, max(1, attempts) + 1):
-            local, count = queue.Queue(), queue.Queue()
-            count.put(i)
-            FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
-            _idx, out = local.get()
-            if not isinstance(out, Exception):
-                results[i] = out
-                break
-            if n >= attempts or retry.classify(out) != retry.TRANSIENT:
-                raise out
-            log.warning("GLOBAL write of %s, attempt %d failed (%s); retrying", bucket[1], n, out)
-            time.sleep(backoff_s * 2 ** (n - 1))
+        _with_retries(lambda: write_bucket(i, bucket), f"GLOBAL write of {bucket[1]}", attempts, backoff_s)
     results_queue.put(results)
-    return manifest.describe_files(staging, [bucket[1] for bucket in buckets])
+    names = [bucket[1] for bucket in buckets]
+    return _with_retries(lambda: manifest.describe_files(staging, names),
+                         f"GLOBAL checksum of {staging.name}/{names}", attempts, backoff_s)
+
+
+def _with_retries(fn, what: str, attempts: int, backoff_s: float):
+    """Run ``fn`` on this (writer) thread, again after a transient error; return its result."""
+    for n in range(1, max(1, attempts) + 1):
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - classified: only transient ones are retried
+            if n >= attempts or errors.classify(e) != errors.TRANSIENT:
+                raise
+            log.warning("%s on rank %d, attempt %d failed (%s); retrying", what, _dist.rank(), n, errors.describe(e))
+            time.sleep(backoff_s * 2 ** (n - 1))
+            continue
+        if n > 1:
+            log.warning("%s on rank %d: attempt %d succeeded", what, _dist.rank(), n)
+        return out
+    raise AssertionError("unreachable")
 
 
 def discard_results(request) -> None:
@@ -92,3 +117,47 @@ def discard_results(request) -> None:
         request.async_fn_args[2].get_nowait()
     except queue.Empty:
         pass
+
+
+def _exit_when_orphaned() -> None:
+    """Runs in the Manager's server process: exit once the rank that started it is gone (a rank
+    killed with SIGKILL cannot shut it down, and it would serve forever)."""
+    import os
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tierstack-orphan-watch", daemon=True).start()
+
+
+def start_results_channel():
+    """megatron-core's write-results queue, served by a Manager that exits when its rank dies."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=_exit_when_orphaned)
+        filesystem_async._results_queue = manager.Queue()
+    return filesystem_async._results_queue
+
+
+def shutdown_results_channel() -> None:
+    """Stop megatron-core's torch_dist result-queue Manager process, if one was started."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    q = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(q, "_manager", None)
+    filesystem_async._results_queue = None
+    if manager is not None:
+        try:
+            manager.shutdown()
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.debug("writer result channel shutdown: %s", e)

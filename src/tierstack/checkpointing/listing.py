@@ -3,7 +3,9 @@
 PATH may be a GLOBAL root (``checkpoint.save``), one GLOBAL step directory, a LOCAL root
 (``checkpoint.local_dir``), or a directory holding tier roots (a run directory such as
 ``runs/gpt_tiny``: each tier root found directly under it is reported). ``ls`` checks presence and sizes; ``verify`` also checks every checksum.
-Both return ``(text, exit_status)``: 0 all valid, 1 something invalid, 2 nothing found.
+Both return ``(text, exit_status)``: 0 every published checkpoint is whole, 1 a published one is
+damaged (files, or directory name, manifest and embedded TrainState disagree on the step), 2 nothing
+found. Leftovers of interrupted saves and quarantined checkpoints are listed, never counted invalid.
 """
 
 from __future__ import annotations
@@ -43,10 +45,30 @@ def _report_any(path: Path, checksums: bool) -> tuple[str, int]:
     return "\n\n".join(text for text, _ in reports), max(status for _, status in reports)
 
 
-def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: Optional[dict], where: str) -> tuple:
+def _step_disagreement(d: Path, man: dict, step: int, deep: bool) -> Optional[str]:
+    """Directory name, manifest and the TrainState inside the checkpoint must name one step."""
+    ts_step = man.get("train_state", {}).get("step")
+    if ts_step != step:
+        return f"step-mismatch manifest train_state says {ts_step}"
+    common = d / "common.pt"
+    if deep and common.exists():
+        import torch
+
+        try:
+            embedded = torch.load(common, map_location="cpu", weights_only=False).get("train_state", {}).get("step")
+        except Exception as e:  # noqa: BLE001 - an unreadable file is a damaged checkpoint
+            return f"unreadable common.pt ({type(e).__name__})"
+        if embedded is not None and embedded != step:
+            return f"step-mismatch embedded TrainState says {embedded}"
+    return None
+
+
+def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: Optional[dict], where: str,
+         kind: Optional[str] = None) -> tuple:
+    """``kind`` marks what is not a published checkpoint (leftover, quarantined): never counted invalid."""
     ts = (man or {}).get("train_state", {})
     return (
-        tier, str(step), _human(size), str(nfiles), "yes" if problem is None else "NO",
+        tier, str(step), _human(size), str(nfiles), kind or ("yes" if problem is None else "NO"),
         str(ts.get("consumed_train_samples", "-")), str((man or {}).get("run_id", "-")),
         where if problem is None else f"{where}: {problem}",
     )
@@ -61,13 +83,14 @@ def _global_rows(root: Path, checksums: bool) -> list[tuple]:
     for d in dirs:
         step = paths.parse_step_dir(d.name)
         man = paths.read_json(d / paths.MANIFEST)
-        if step is None:  # staging or quarantined: listed, never valid
-            kind = "staging" if ".staging-" in d.name else "quarantined" if ".invalid-" in d.name else "other"
-            rows.append(_row("global", d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name))
+        if step is None:  # leftover of an interrupted save, or quarantined: listed, not a checkpoint
+            kind = "leftover" if paths.is_leftover(d.name) else "quarantined" if ".invalid-" in d.name else "other"
+            rows.append(_row("global", d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name, kind))
             continue
         problem = manifest.check_manifest(man, step=step)
         if problem is None:
-            problem = manifest.check_files(d, man["files"], checksums=checksums)
+            problem = manifest.check_files(d, man["files"], checksums=checksums) or _step_disagreement(
+                d, man, step, checksums)
         files = (man or {}).get("files", {})
         rows.append(_row("global", step, int((man or {}).get("bytes", 0)), len(files), problem, man, d.name))
     return rows
@@ -75,11 +98,14 @@ def _global_rows(root: Path, checksums: bool) -> list[tuple]:
 
 def _local_rows(root: Path, checksums: bool) -> list[tuple]:
     per_step: dict[int, list] = defaultdict(list)
+    leftovers: list[Path] = []
     ranks = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
     for r in ranks:
         for f in (root / str(r)).iterdir():
             parsed = paths.parse_local_file(f.name)
             if parsed is None:
+                if paths.is_leftover(f.name) or ".invalid-" in f.name:
+                    leftovers.append(f)
                 continue
             man = paths.read_json(f.with_name(paths.local_manifest_name(parsed[0], parsed[1])))
             problem = manifest.check_manifest(man, step=parsed[0])
@@ -95,6 +121,10 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
         man = next((m for _, m, _ in entries if m), None)
         size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
         rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, f"{len(entries)} rank files"))
+    for f in leftovers:
+        kind = "quarantined" if ".invalid-" in f.name else "leftover"
+        step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
+        rows.append(_row("local", step[0] if step else "-", 0, 1, kind, None, f"{f.parent.name}/{f.name}", kind))
     return rows
 
 
@@ -116,8 +146,11 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     widths = [max(len(r[i]) for r in table) for i in range(len(_HEADER) - 1)]
     for r in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    bad = sum(1 for r in rows if r[4] != "yes")
-    lines.append(f"{len(rows)} checkpoint(s), {bad} invalid" + ("" if checksums else " (sizes only; `verify` checks checksums)"))
+    bad = sum(1 for r in rows if r[4] == "NO")
+    others = len(rows) - sum(1 for r in rows if r[4] in ("yes", "NO"))
+    lines.append(f"{len(rows) - others} checkpoint(s), {bad} invalid"
+                 + (f"; {others} leftover/quarantined (not checkpoints; the next save cleans leftovers)" if others else "")
+                 + ("" if checksums else " (sizes only; `verify` checks checksums)"))
     return "\n".join(lines), (1 if bad else 0)
 
 

@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing import compat, local_file, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import compat, errors, local_file, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
-from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +152,10 @@ class LocalTier(StagedTier):
         c = self.cfg
         ckpt, man_path = self._paths(step)
         self.rank_dir.mkdir(parents=True, exist_ok=True)
+        try:  # nothing of this tier is in flight: what an interrupted save left is not a checkpoint
+            paths.remove_leftovers(self.rank_dir, run_id)
+        except OSError as e:  # listing the folder failed: the write below reports what is wrong
+            log.warning("LOCAL leftovers in %s not cleaned: %s", self.rank_dir, e)
         theirs = self._owner(step)
         if theirs not in (None, run_id):  # another run's checkpoint is never replaced or deleted
             raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
@@ -165,12 +168,15 @@ class LocalTier(StagedTier):
                     tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
                     train_state=train_state, files={ckpt.name: entry}, rank=self.layout.rank, **extra)
                 manifest.write_manifest(man_path, man)
+                if n > 1:
+                    log.warning("LOCAL write of step %d on rank %d: attempt %d succeeded", step, self.layout.rank, n)
                 return int(entry["size"])
             except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
-                if n >= c.save_retries or retry.classify(e) != retry.TRANSIENT:
+                if n >= c.save_retries or errors.classify(e) != errors.TRANSIENT:
                     self._remove_step(step, run_id)
                     raise
-                log.warning("LOCAL write of step %d, attempt %d failed (%s); retrying", step, n, e)
+                log.warning("LOCAL write of step %d on rank %d, attempt %d failed (%s); retrying",
+                            step, self.layout.rank, n, errors.describe(e))
                 time.sleep(c.retry_backoff_s * 2 ** (n - 1))
         raise AssertionError("unreachable")
 
@@ -198,11 +204,12 @@ class LocalTier(StagedTier):
             return
         error = self._job_error(job)
         if error is not None:
-            log.error("LOCAL write of step %d failed on rank %d: %r", job.step, self.layout.rank, error)
-        if not _dist.all_true(error is None):
+            log.error("LOCAL write of step %d failed on rank %d: %s", job.step, self.layout.rank, errors.describe(error))
+        try:
+            retry.agree(error)  # the writer already retried transient errors; every rank learns each cause
+        except retry.SaveAttemptFailed as e:
             self._remove_step(job.step, job.run_id)
-            log.error("LOCAL checkpoint of step %d NOT saved (failed on some rank); the previous one stays "
-                      "the newest", job.step)
+            log.error("LOCAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", job.step, e)
             self.failures.append(job.step)
             return
         self.sealed.append(job.step)
@@ -259,13 +266,15 @@ class LocalTier(StagedTier):
         for p in self._paths(cand.step):
             if p.exists():
                 paths.quarantine(p, reason)
-        log.warning("LOCAL checkpoint step %d of rank %d is invalid (%s): quarantined", cand.step, self.layout.rank, reason)
+        log.info("LOCAL checkpoint step %d: rank %d's files quarantined (%s)", cand.step, self.layout.rank, reason)
 
     def load(self, step: int, objs: TrainingObjects) -> str:
         c = self.cfg
         man = paths.read_json(self._paths(step)[1]) or {}
         optim = c.load_optim and man.get("has_optimizer", True)
         rng = c.load_rng and man.get("has_rng", True)
+        if c.load_rng and not man.get("has_rng", True):
+            ckpt_state.warn_no_rng(step, self.tier.value)
         ckpt = self._paths(step)[0]
         model_settings.check_load(man, model_settings.model_settings(objs.model), optim=optim, where=str(ckpt),
                                   casts_weights=False)

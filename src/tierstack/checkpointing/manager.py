@@ -116,6 +116,15 @@ class CheckpointManager:
                 checkpoint, ``exit_on_missing_checkpoint`` finds nothing, or the chosen checkpoint
                 cannot be loaded exactly at this topology.
         """
+        with self._bounded():
+            return self._resume(objs)
+
+    def _bounded(self):
+        """Every checkpoint collective waits at most ``checkpoint.collective_timeout_s`` for a peer
+        (:func:`tierstack.runtime.collectives.bounded`)."""
+        return _dist.bounded(self.cfg.collective_timeout_s)
+
+    def _resume(self, objs: TrainingObjects) -> Optional[ResumeInfo]:
         t0 = time.perf_counter()
         handlers = list(self._tiers.values())
         family = run_family.decide(handlers)
@@ -144,6 +153,14 @@ class CheckpointManager:
             )
         if c.ckpt_step is not None:
             raise CheckpointLoadError(f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in any tier")
+        found = [] if c.allow_fresh_start_on_invalid else run_family.evidence(list(self._tiers.values()))
+        if found:  # an earlier run of the deciding directories, and nothing of it to resume from
+            shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+            raise CheckpointLoadError(
+                f"an earlier run left files here but no valid checkpoint to resume from (found {shown}); "
+                "starting fresh would silently drop its history. Fix or restore its checkpoints, point "
+                "checkpoint.save/load/local_dir elsewhere, or set checkpoint.allow_fresh_start_on_invalid=true"
+            )
         if c.exit_on_missing_checkpoint:
             raise CheckpointLoadError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")
         run_id = _dist.broadcast_object(uuid.uuid4().hex[:12])
@@ -166,17 +183,25 @@ class CheckpointManager:
     def maybe_save(self, objs: TrainingObjects) -> None:
         """Collective, after every optimizer step: seal/publish the background saves that ended on
         every rank, then save each tier whose interval divides the step (fastest tier first)."""
+        with self._bounded():
+            self._maybe_save(objs)
+
+    def _maybe_save(self, objs: TrainingObjects) -> None:
         for handler in self._tiers.values():
             handler.finalize(blocking=False)
         self._raise_if_failed()
         step = objs.train_state.step
         for tier, handler in self._tiers.items():
             if handler.interval and step > 0 and step % handler.interval == 0:
-                self.save(tier, objs)
+                self._save(tier, objs)
 
     def save(self, tier: CheckpointTier, objs: TrainingObjects) -> None:
         """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier;
         the preflight (all parameters finite) runs once per step, whatever the number of tiers."""
+        with self._bounded():
+            self._save(tier, objs)
+
+    def _save(self, tier: CheckpointTier, objs: TrainingObjects) -> None:
         handler = self._tiers[tier]
         step = objs.train_state.step
         if self._closed or not handler.saves or self._last_saved[tier] == step:
@@ -231,8 +256,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ end
     def wait(self) -> None:
         """Collective: block until every in-flight save of every tier is sealed/published (or failed)."""
-        for handler in self._tiers.values():
-            handler.finalize(blocking=True)
+        with self._bounded():
+            for handler in self._tiers.values():
+                handler.finalize(blocking=True)
         self._raise_if_failed()
 
     def close(self) -> None:
@@ -243,11 +269,12 @@ class CheckpointManager:
             return
         self._closed = True
         errors: list[BaseException] = []
-        for handler in self._tiers.values():
-            try:
-                handler.close()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
-                errors.append(e)
+        with self._bounded():
+            for handler in self._tiers.values():
+                try:
+                    handler.close()
+                except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
+                    errors.append(e)
         if errors:
             raise errors[0]
         self._raise_if_failed()

@@ -26,11 +26,14 @@ whose manifest names another run are not candidates, not retained, not deleted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 TRACKER_ITERATION = "latest_checkpointed_iteration.txt"
@@ -56,6 +59,40 @@ def parse_step_dir(name: str) -> Optional[int]:
 
 def staging_dir_name(step: int, run_id: str, attempt: int) -> str:
     return f"{step_dir_name(step)}.staging-{run_id}-{attempt}"
+
+
+def is_leftover(name: str) -> bool:
+    """Whether ``name`` in a tier root or rank folder is left by an interrupted save: a GLOBAL
+    staging directory, a LOCAL ``.dirty`` file, or a temp file of an atomic write."""
+    return ".staging-" in name or name.endswith(".dirty.pt") or ".tmp-" in name
+
+
+def remove_leftovers(folder: Path, run_id: str) -> list[Path]:
+    """Remove what interrupted saves left in ``folder`` (a GLOBAL root or a LOCAL rank folder):
+    staging directories of run ``run_id``, ``.dirty`` files, temp files of atomic writes made by
+    other processes. Another run's staging directories are left alone (they may be that run's save
+    in progress; ``checkpoints verify`` lists them as leftovers). A removal that fails is logged.
+
+    Returns:
+        The paths removed.
+    """
+    import shutil
+
+    removed = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+        name = p.name
+        if not is_leftover(name) or name.endswith(f".tmp-{os.getpid()}"):
+            continue
+        if ".staging-" in name and f".staging-{run_id}-" not in name:
+            continue
+        try:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("could not remove %s, left by an interrupted save: %s", p, e)
+            continue
+        log.info("removed %s, left by an interrupted save", p)
+        removed.append(p)
+    return removed
 
 
 def local_file_name(step: int, rank: int) -> str:
@@ -96,14 +133,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
     A reader sees the old content or the new, never a torn file.
     """
+    commit_atomic(prepare_atomic(path, data), path)
+
+
+def prepare_atomic(path: Path, data: bytes) -> Path:
+    """First half of :func:`atomic_write_bytes`: the data, fsync'd in a temp file beside ``path``.
+
+    Everything that can run out of space happens here; :func:`commit_atomic` only renames.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def commit_atomic(tmp: Path, path: Path) -> None:
+    """Second half of :func:`atomic_write_bytes`: rename ``tmp`` over ``path``, fsync the directory."""
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_dir(Path(path).parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -1,6 +1,7 @@
 """Retention: after a publish, keep the ``most_recent_k`` checkpoints of this run in a tier.
 
-Never deletes the checkpoint just published, anything newer than it (a run resumed from an older
+A removal that fails is logged and skipped (the next publish tries again). Never deletes the
+checkpoint just published, anything newer than it (a run resumed from an older
 step with ``ckpt_step`` leaves newer ones alone), or a checkpoint of another run.
 """
 
@@ -35,11 +36,22 @@ def prune_global(root: Path, run_id: str, published: int, k: int) -> list[int]:
         man = paths.read_json(p / paths.MANIFEST)
         if man is not None and man.get("run_id") == run_id:
             own[step] = p
-    doomed = steps_to_delete(own, published, k)
-    for step in doomed:
+    removed = []
+    for step in steps_to_delete(own, published, k):
         log.info("retention: removing GLOBAL checkpoint %s (most_recent_k=%d)", own[step], k)
-        shutil.rmtree(own[step], ignore_errors=True)
-    return doomed
+        if _try(shutil.rmtree, own[step]):
+            removed.append(step)
+    return removed
+
+
+def _try(remove, path: Path) -> bool:
+    """One removal; a failure is logged and the next one is still tried (the next publish retries)."""
+    try:
+        remove(path)
+        return True
+    except OSError as e:
+        log.warning("retention: could not remove %s (%s); kept for now", path, e)
+        return False
 
 
 def prune_local(rank_dir: Path, rank: int, run_id: str, published: int, k: int) -> list[int]:
@@ -52,9 +64,11 @@ def prune_local(rank_dir: Path, rank: int, run_id: str, published: int, k: int) 
         man = paths.read_json(p.with_name(paths.local_manifest_name(parsed[0], rank)))
         if man is not None and man.get("run_id") == run_id:
             own.append(parsed[0])
-    doomed = steps_to_delete(own, published, k)
-    for step in doomed:
+    removed = []
+    for step in steps_to_delete(own, published, k):
         log.info("retention: removing LOCAL checkpoint step %d of rank %d (most_recent_k=%d)", step, rank, k)
-        for name in (paths.local_file_name(step, rank), paths.local_manifest_name(step, rank)):
-            (Path(rank_dir) / name).unlink(missing_ok=True)
-    return doomed
+        # the file first: if it stays, its manifest stays with it and it is still a valid checkpoint
+        if _try(lambda p: p.unlink(missing_ok=True), Path(rank_dir) / paths.local_file_name(step, rank)):
+            _try(lambda p: p.unlink(missing_ok=True), Path(rank_dir) / paths.local_manifest_name(step, rank))
+            removed.append(step)
+    return removed

@@ -7,61 +7,39 @@ attempt a fresh staging location, so no two attempts ever write at the same plac
 
 from __future__ import annotations
 
-import errno
 import logging
 from typing import Callable, Optional, TypeVar
 
 import tenacity
 
+from tierstack.checkpointing import errors
 from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TRANSIENT_ERRNOS = frozenset(
-    {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ESTALE, errno.EBUSY, errno.ECONNRESET, errno.EINTR}
-)
-OK, TRANSIENT, PERMANENT = 0, 1, 2
-
-
-def _chain(exc: BaseException):
-    """The exception, its causes and contexts, and failures wrapped by torch's CheckpointException."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.CheckpointException
-        if isinstance(failures, dict):
-            todo += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
-
-
-def classify(exc: Optional[BaseException]) -> int:
-    """OK for None; TRANSIENT when an OSError with a transient errno is anywhere in the chain and no
-    permanent OSError is; PERMANENT otherwise (EACCES, EROFS, ENOSPC, a bug like TypeError)."""
-    if exc is None:
-        return OK
-    if isinstance(exc, SaveAttemptFailed):  # already agreed on by an inner step
-        return exc.outcome
-    errnos = [e.errno for e in _chain(exc) if isinstance(e, OSError) and e.errno is not None]
-    if errnos and all(n in TRANSIENT_ERRNOS for n in errnos):
-        return TRANSIENT
-    return PERMANENT
+# Re-exported: the classification lives in errors.py (root cause through every wrapping layer).
+TRANSIENT_ERRNOS = errors.TRANSIENT_ERRNOS
+OK, REMOTE, TRANSIENT, PERMANENT = errors.OK, errors.REMOTE, errors.TRANSIENT, errors.PERMANENT
+classify = errors.classify
 
 
 class SaveAttemptFailed(Exception):
-    """An attempt failed on at least one rank; raised on every rank with the agreed outcome."""
+    """An attempt failed on at least one rank; raised on every rank with the agreed outcome.
 
-    def __init__(self, outcome: int, local_error: Optional[BaseException]):
+    ``causes`` holds, per rank, the root cause it saw (None where that rank only saw another
+    rank's failure), so the message every rank logs names the rank, the path and the errno.
+    """
+
+    def __init__(self, outcome: int, local_error: Optional[BaseException], causes: Optional[list] = None):
         self.outcome = outcome
         self.local_error = local_error
-        kind = "transient" if outcome == TRANSIENT else "permanent"
-        where = f"here: {local_error!r}" if local_error is not None else "on another rank"
+        self.causes = list(causes or [])
+        kind = errors.NAMES.get(outcome, "permanent")
+        where = "; ".join(f"rank {r}: {c}" for r, c in enumerate(self.causes) if c)
+        if not where:
+            where = f"here: {errors.describe(local_error)}" if local_error is not None else "on another rank"
         super().__init__(f"{kind} failure {where}")
 
     @property
@@ -69,11 +47,48 @@ class SaveAttemptFailed(Exception):
         return self.outcome == TRANSIENT
 
 
+def _is_collective_error(exc: BaseException) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(exc, (dist.DistError, errors.CollectiveFailure))
+
+
 def agree(local_error: Optional[BaseException], reduce_max: Callable[[int], int] = _dist.all_reduce_max) -> None:
-    """Collective: raise :class:`SaveAttemptFailed` on every rank if any rank failed."""
-    outcome = reduce_max(classify(local_error))
-    if outcome != OK:
-        raise SaveAttemptFailed(outcome, local_error)
+    """Collective: raise :class:`SaveAttemptFailed` on every rank if any rank failed.
+
+    Raises:
+        SaveAttemptFailed: the worst outcome over ranks (REMOTE alone counts as permanent).
+        CollectiveFailure: the agreement itself failed (a rank is gone or hung).
+    """
+    mine = classify(local_error)
+    try:
+        outcome = reduce_max(mine)
+        if outcome == OK:
+            return
+        # A second collective, on the failure path only: every rank learns every rank's cause.
+        inner = isinstance(local_error, SaveAttemptFailed)  # agreed by an inner step: causes known
+        detail = errors.describe(local_error) if mine not in (OK, REMOTE) and not inner else None
+        causes = _dist.all_gather_object(detail) if reduce_max is _dist.all_reduce_max else [detail]
+        if inner and not any(causes):
+            causes = local_error.causes
+    except Exception as e:  # noqa: BLE001 - a broken collective is fatal, whatever torch calls it
+        raise errors.CollectiveFailure(f"checkpoint agreement failed ({e}); a rank is gone or hung") from e
+    raise SaveAttemptFailed(PERMANENT if outcome == REMOTE else outcome, local_error, causes)
+
+
+def _capture(fn: Callable[[], T]) -> tuple[Optional[T], Optional[BaseException]]:
+    """Run ``fn``; return ``(result, None)`` or ``(None, error)``. A broken collective inside ``fn``
+    is re-raised as :class:`CollectiveFailure`: agreeing over a broken group would hang or lie."""
+    try:
+        return fn(), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException derives from BaseException
+        if _is_collective_error(e):
+            if isinstance(e, errors.CollectiveFailure):
+                raise
+            raise errors.CollectiveFailure(f"checkpoint collective failed ({e}); a rank is gone or hung") from e
+        return None, e
 
 
 def run_agreed(fn: Callable[[], T]) -> T:
@@ -84,12 +99,9 @@ def run_agreed(fn: Callable[[], T]) -> T:
 
     Raises:
         SaveAttemptFailed: on every rank, when ``fn`` raised on any rank.
+        CollectiveFailure: a collective inside ``fn`` or the agreement failed or timed out.
     """
-    result, err = None, None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - classified by agree()
-        err = e
+    result, err = _capture(fn)
     agree(err)
     return result  # type: ignore[return-value]
 
@@ -114,20 +126,18 @@ def run_attempts(
     """
 
     def one(n: int) -> T:
-        result, error = None, None
-        try:
-            result = attempt(n)
-        except Exception as e:  # noqa: BLE001 - classified and agreed on below
-            error = e
-        except BaseException as e:  # torch's CheckpointException derives from BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            error = e
+        result, error = _capture(lambda: attempt(n))
         try:
             agree(error, reduce_max)
         except SaveAttemptFailed as failed:
             on_failure(n, failed)
+            if not failed.transient:
+                log.error("checkpoint attempt %d failed (%s); not retried", n, failed)
+            elif n >= attempts:
+                log.error("checkpoint attempt %d of %d failed (%s); no attempts left", n, attempts, failed)
             raise
+        if n > 1:
+            log.warning("checkpoint attempt %d succeeded after %d failed attempt(s)", n, n - 1)
         return result  # type: ignore[return-value]
 
     retrying = tenacity.Retrying(

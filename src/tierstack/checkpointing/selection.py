@@ -76,9 +76,12 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
         if all(p is None for p in problems):
             result.handler, result.step, result.manifest = by_tier[tier], step, cand.manifest
             return result
-        reason = next(p for p in problems if p is not None)
-        result.quarantined.append(f"{tier.value} step {step}: {reason}")
+        bad_rank, reason = next((r, p) for r, p in enumerate(problems) if p is not None)
+        result.quarantined.append(f"{tier.value} step {step}: {reason} (rank {bad_rank})")
+        if _dist.rank() == 0:
+            log.warning("resume: %s checkpoint of step %d failed its check on rank %d (%s); quarantined",
+                        tier.value, step, bad_rank, reason)
         if cand is not None:
-            by_tier[tier].quarantine(cand, reason.split(" ")[0])
+            by_tier[tier].quarantine(cand, f"{reason.split(' ')[0]}-rank{bad_rank}")
         _dist.barrier()
     return result

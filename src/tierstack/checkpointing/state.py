@@ -59,6 +59,16 @@ def rng_object(world_size: int, rank: int, state: Any):
     return ShardedObject(RNG, state, (world_size,), (rank,), replica_id=0)
 
 
+def warn_no_rng(step: int, tier: str) -> None:
+    """Say once, on rank 0, that a resume cannot be exact because the checkpoint holds no RNG state."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    log.warning(
+        "%s checkpoint of step %d was saved with checkpoint.save_rng=false: RNG state not restored, "
+        "so dropout and other random draws after this resume differ from an uninterrupted run", tier, step,
+    )
+
+
 def build(objs: TrainingObjects, *, is_loading: bool, optim: bool, rng: bool) -> dict:
     """The sharded state dict to save (or to load into when ``is_loading``)."""
     if len(objs.model) != 1:

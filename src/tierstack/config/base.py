@@ -3,7 +3,9 @@ small field checks (kept apart from :mod:`tierstack.config.sections` so each sec
 
 from __future__ import annotations
 
-from typing import Any
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
 
 from tierstack.errors import BadInputError
 
@@ -36,3 +38,28 @@ def _at_least(section: str, obj: Any, names: tuple[str, ...], low: int = 1) -> l
     return [
         f"{section}.{n}={getattr(obj, n)}: must be >= {low}" for n in names if getattr(obj, n) < low
     ]
+
+
+def writable_dir_problem(path: Optional[str]) -> Optional[str]:
+    """Why directory ``path`` cannot hold checkpoints, or None (also for ``path`` None).
+
+    The directory may not exist yet: its nearest existing ancestor must then be a directory in
+    which one can be created. Probed by creating (and at once removing) a temporary directory,
+    since permission bits lie to root and on /proc.
+    """
+    if path is None:
+        return None
+    target = Path(path).absolute()
+    probe_in = target
+    while not probe_in.exists():
+        if probe_in.parent == probe_in:
+            return "no existing parent directory"
+        probe_in = probe_in.parent
+    if not probe_in.is_dir():
+        return f"{probe_in} is not a directory"
+    try:
+        tempfile.TemporaryDirectory(dir=probe_in, prefix=".tierstack-probe-").cleanup()
+    except OSError as e:
+        verb = "write in it" if probe_in == target else f"create it under {probe_in}"
+        return f"cannot {verb} ({e.strerror or e}); choose a writable directory"
+    return None

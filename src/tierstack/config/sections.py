@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from tierstack.config.base import ConfigError, _at_least, _Section  # noqa: F401 - ConfigError re-exported
+from tierstack.config.base import ConfigError, _at_least, _Section, writable_dir_problem  # noqa: F401 - ConfigError re-exported
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
     ACTIVATION_FUNCS,
     NORMALIZATIONS,
@@ -230,6 +230,11 @@ class CheckpointConfig(_Section):
     # A blocking wait for a tier's writer thread (the next save of that tier, or the end of the run)
     # gives up after this many seconds: the save fails on every rank, naming the ranks still writing.
     async_write_timeout_s: float = 1800.0
+    # Seconds any one checkpoint collective (agreements, megatron's metadata exchange and barriers,
+    # each poll of a writer wait) may wait for a peer: a rank that is gone or hung becomes an error
+    # on every rank within this bound instead of distributed.timeout_s. A slow write is bounded by
+    # async_write_timeout_s instead (its wait is many short polls). null = distributed.timeout_s.
+    collective_timeout_s: Optional[float] = 120.0
 
     def problems(self) -> list[str]:
         p = []
@@ -249,12 +254,20 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.save_retries must be >= 1 (attempts, including the first)")
         if not self.async_write_timeout_s > 0:
             p.append("checkpoint.async_write_timeout_s must be > 0 (seconds)")
+        if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
+            p.append("checkpoint.collective_timeout_s must be > 0 (seconds), or null for distributed.timeout_s")
         if self.retry_backoff_s < 0:
             p.append("checkpoint.retry_backoff_s must be >= 0")
         if self.pretrained_checkpoint is not None and not Path(self.pretrained_checkpoint).exists():
             p.append(f"checkpoint.pretrained_checkpoint={self.pretrained_checkpoint}: not found")
         if self.exit_on_missing_checkpoint and self.load is None and self.save is None and self.local_dir is None:
             p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
+        for name in ("save", "local_dir"):  # before any rank starts work, not deep inside a save
+            problem = writable_dir_problem(getattr(self, name))
+            if problem:
+                p.append(f"checkpoint.{name}={getattr(self, name)}: {problem}")
+        if self.load is not None and Path(self.load).exists() and not os.access(self.load, os.R_OK | os.X_OK):
+            p.append(f"checkpoint.load={self.load}: not readable")
         return p
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -169,7 +170,12 @@ def build_cyclic_iterator(
 
 
 def _loader(dataset: Dataset, sampler: PretrainingSampler, num_workers: int, pin_memory: bool):
-    """A DataLoader over ``sampler``'s batches (no shuffling: the order is the sampler's)."""
+    """A DataLoader over ``sampler``'s batches (no shuffling: the order is the sampler's).
+
+    Every ``iter()`` of a DataLoader draws a seed; with its own generator that draw never touches
+    torch's default generator, so dropout after a resume sees the RNG state that was saved, even
+    when an iterator is first used (or restarted) later in one run than in the other.
+    """
     _check_int("num_workers", num_workers, 0)
     return DataLoader(
         dataset,
@@ -177,7 +183,11 @@ def _loader(dataset: Dataset, sampler: PretrainingSampler, num_workers: int, pin
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
+        generator=torch.Generator().manual_seed(_LOADER_SEED),
     )
+
+
+_LOADER_SEED = 0  # seeds only worker processes' RNG (no shuffling here): any fixed value is exact
 
 
 __all__ = ["PretrainingSampler", "build_data_iterator", "build_cyclic_iterator"]

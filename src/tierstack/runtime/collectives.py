@@ -6,7 +6,8 @@ checkpointing, resiliency and training code run in single-process tests. Each is
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,3 +71,62 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def _groups() -> list:
+    """The process groups a checkpoint uses: WORLD, and megatron's data-parallel group (the fully
+    parallel save and load exchange over it) when model parallelism is initialised."""
+    groups = [None]
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            groups.append(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    except Exception:  # noqa: BLE001 - no megatron state: WORLD only
+        pass
+    return groups
+
+
+def _set_timeout(seconds: float) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for g in _groups():
+        try:
+            _set_pg_timeout(timedelta(seconds=seconds), g)
+        except (RuntimeError, ValueError, AssertionError) as e:  # a backend without per-group timeouts
+            import logging
+
+            logging.getLogger(__name__).debug("cannot set the timeout of %s: %s", g, e)
+
+
+training_timeout_s: Optional[float] = None  # distributed.timeout_s, set by runtime.initialize_distributed
+_bounded_depth = 0
+
+
+@contextlib.contextmanager
+def bounded(timeout_s: Optional[float], restore_s: Optional[float] = None) -> Iterator[None]:
+    """Every collective inside (ours and megatron-core's) times out after ``timeout_s`` seconds.
+
+    A checkpoint's collectives are short (agreements, metadata exchange, the polls of a writer
+    wait), so a peer that does not arrive within ``checkpoint.collective_timeout_s`` is gone or
+    hung; waiting for the training timeout (``distributed.timeout_s``, sized for slow steps) would
+    only delay the error. Nested blocks keep the outer bound; on exit the groups get ``restore_s``
+    back (default: the ``distributed.timeout_s`` the process groups were created with). No-op
+    without torch.distributed, with ``timeout_s`` None, or when nothing is known to restore.
+    """
+    global _bounded_depth
+    restore_s = restore_s if restore_s is not None else training_timeout_s
+    if timeout_s is None or restore_s is None or not is_distributed():
+        yield
+        return
+    _bounded_depth += 1
+    if _bounded_depth == 1:
+        _set_timeout(timeout_s)
+    try:
+        yield
+    finally:
+        _bounded_depth -= 1
+        if _bounded_depth == 0 and is_distributed():
+            _set_timeout(restore_s)

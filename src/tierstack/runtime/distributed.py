@@ -192,6 +192,9 @@ def initialize_distributed(
             timeout=timedelta(seconds=timeout_s),
             **process_group_device(backend, local_rank),
         )
+    from tierstack.runtime import collectives
+
+    collectives.training_timeout_s = timeout_s  # what a bounded block of checkpoint collectives restores
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Optional
 
@@ -28,10 +29,10 @@ def pretrain(
 
     Raises:
         ConfigError: invalid config (nothing started yet).
-        Any error of training, re-raised after cleanup; in-flight checkpoint saves are completed
-        (or cleanly aborted) before the process groups go away.
+        Any error of training or setup, re-raised after cleanup: in-flight checkpoint saves are
+        completed (or cleanly aborted), the straggler monitor closed and the mlflow run finished
+        before the process groups go away; a failing closer is logged and never hides that error.
     """
-    from tierstack import runtime
     from tierstack.training.reporting import configure_logging, run_reporters
     from tierstack.resiliency.signals import ExitRequest
     from tierstack.training.forward import gpt_forward_step
@@ -40,28 +41,11 @@ def pretrain(
 
     configure_logging()
     forward_step_func = forward_step_func or gpt_forward_step
-    exit_request = ExitRequest()
-    s = None
-    status = "FAILED"
-    try:
-        s = setup(config)
+    with contextlib.ExitStack() as closers:
+        exit_request = ExitRequest()
+        closers.callback(exit_request.restore)
+        s = setup(config, closers=closers)  # registers every resource it starts on `closers`
         with run_reporters(s) as (progress, history):
-            state = train(
+            return train(
                 s, forward_step_func, exit_request=exit_request, history=history, progress=progress, on_step=on_step
             )
-        status = "FINISHED"
-        return state
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        exit_request.restore()
-        try:
-            if s is not None:
-                s.checkpoint_manager.close()  # never exit while a save is in flight
-                if s.straggler is not None:
-                    s.straggler.close()
-                if s.experiment_tracker is not None:
-                    s.experiment_tracker.finish(status)
-        finally:
-            runtime.destroy_distributed()

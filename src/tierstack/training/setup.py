@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -88,17 +89,32 @@ def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: Train
     return train_it, valid_it
 
 
-def setup(cfg: ConfigContainer) -> SetupOutput:
+def setup(cfg: ConfigContainer, closers: Optional[contextlib.ExitStack] = None) -> SetupOutput:
     """Validate, initialise ranks, build model/optimizer/scheduler, resume, then data and loggers.
 
     Order matters: the checkpoint is loaded before the data iterators are built, because the
     samplers start at the restored ``consumed_train_samples`` / ``consumed_valid_samples``.
+
+    Args:
+        closers: each resource is registered on this stack the moment it exists (process groups,
+            mlflow run, checkpoint manager, straggler monitor; see :mod:`tierstack.training.closers`),
+            so a failure anywhere closes exactly what was built. When None, a failed setup still
+            closes what it built and a successful one leaves closing to the caller.
 
     Raises:
         ConfigError: the config is invalid (before any process group is created).
         Errors of the checkpoint layer when checkpoints exist but none is valid.
     """
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    with contextlib.ExitStack() as own:
+        out = _setup(cfg, closers if closers is not None else own)
+        own.pop_all()  # success: the resources outlive setup
+        return out
+
+
+def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
+    from tierstack.training.closers import register
+
     layout = runtime.initialize_distributed(
         tensor_model_parallel_size=cfg.distributed.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.distributed.pipeline_model_parallel_size,
@@ -106,6 +122,15 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
         backend=cfg.distributed.backend,
         timeout_s=cfg.distributed.timeout_s,
     )
+    register(stack, "process groups", runtime.destroy_distributed)  # registered first: closed last
+    try:
+        return _build(cfg, layout, stack, register)
+    except BadInputError:  # raised alike on every rank: they leave together
+        collectives.barrier()
+        raise
+
+
+def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextlib.ExitStack, register) -> SetupOutput:
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
     from tierstack.data.datasets import check_training_data
     from tierstack.data.tokenizers import build_tokenizer
@@ -124,35 +149,34 @@ def setup(cfg: ConfigContainer) -> SetupOutput:
     train_state = TrainState()
 
     tracker = _build_experiment_tracker(cfg, layout)
+    if tracker is not None:
+        register(stack, "mlflow run", tracker.finish, with_status=True)
     listeners = [tracker.log_checkpoint] if tracker is not None else []
     ckpt = CheckpointManager(
         cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=listeners,
         pretrained_source=functools.partial(pretrained_root, cfg),  # a Hugging Face directory is imported
     )
+    # Closed before the mlflow run ends (the final save's listener logs to it) and before the
+    # process groups go away; closing joins the GLOBAL writer's warm-up and stops its result Manager.
+    register(stack, "checkpoint manager", ckpt.close)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
-    try:
-        resume_info = ckpt.resume(objs)
-        if tracker is not None:
-            run_id = tracker.start(
-                cfg.flat_params(),
-                resume_run_id=train_state.experiment_run_id,
-                resume_step=resume_info.step if resume_info is not None else None,
-            )
-            train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
-        train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
-    except BaseException as exc:
-        # Nobody else holds the manager yet: close it here. This joins the GLOBAL writer's warm-up:
-        # a process that exits while that thread is still starting megatron's result Manager waits
-        # for the Manager forever at exit (and no thread traceback follows the error).
-        ckpt.close()
-        if isinstance(exc, BadInputError):  # raised alike on every rank: they leave together
-            collectives.barrier()
-        raise
+    resume_info = ckpt.resume(objs)
+    if tracker is not None:
+        run_id = tracker.start(
+            cfg.flat_params(),
+            resume_run_id=train_state.experiment_run_id,
+            resume_step=resume_info.step if resume_info is not None else None,
+        )
+        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
+    # The DataLoaders draw their seeds from their own generator (data.samplers), so building them
+    # leaves the restored RNG state untouched: dropout after a resume matches an uninterrupted run.
+    train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
     straggler = None
     if cfg.straggler is not None:
         from tierstack.resiliency.straggler import StragglerMonitor
 
         straggler = StragglerMonitor(cfg.straggler, layout)
+        register(stack, "straggler monitor", straggler.close)
     return SetupOutput(
         config=cfg,
         layout=layout,

@@ -4,7 +4,7 @@ Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] 
     [section.field=value ...]
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
-data) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
+data, dropout 0.1, validation every 3 steps) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
 TrainState, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
 ``OUT_DIR/params<r>.pt`` (final parameters of this rank).
 """
@@ -23,7 +23,9 @@ def tiny_config(overrides):
     cfg.apply_overrides([
         "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
         "model.transformer_impl=local", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "train.eval_interval=null", "dataset.mock=true", "scheduler.lr_warmup_iters=2",
+        # dropout and validation on: an exact resume must restore every random draw of a step
+        "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.eval_interval=3", "train.eval_iters=1",
+        "dataset.mock=true", "scheduler.lr_warmup_iters=2",
         "scheduler.lr_decay_iters=8", "logger.log_interval=100", "logger.progress_bar=false",
         "checkpoint.retry_backoff_s=0.1",
     ])
@@ -155,8 +157,8 @@ def main():
     captured = {}
     real_setup = setup_mod.setup
 
-    def spy_setup(c):
-        s = real_setup(c)
+    def spy_setup(c, **kwargs):
+        s = real_setup(c, **kwargs)
         captured["s"] = s
         record["param_sums"]["resume"] = _param_sums(s.model)
         record["optim_sums"] = {"resume": _optim_sums(s.optimizer)}

@@ -174,8 +174,11 @@ def test_retention_keeps_two_newest_in_each_tier(tmp_path):
     foreign = g / "iter_0000025"  # left by another tool/run: no manifest, never counted or deleted
     foreign.mkdir(parents=True)
     (foreign / "weights.bin").write_bytes(b"not ours")
+    # A step directory in the save root is evidence of an earlier run (issue 10): starting fresh
+    # beside it takes an explicit allow_fresh_start_on_invalid.
     launch(tmp_path / "run", "train.train_iters=30", f"checkpoint.save={g}", "checkpoint.save_interval=10",
-           f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=10", "checkpoint.most_recent_k=2")
+           f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=10", "checkpoint.most_recent_k=2",
+           "checkpoint.allow_fresh_start_on_invalid=true")
     assert sorted(p.name for p in g.iterdir() if p.name.startswith("iter_")) == [
         "iter_0000020", "iter_0000025", "iter_0000030"]
     for r in (0, 1):

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from tierstack.checkpointing import listing
 from tierstack.checkpointing import manifest, paths, retention, retry
@@ -14,7 +15,7 @@ def _global_ckpt(root, step, run_id="runA", payload=b"x" * 100):
     d = root / paths.step_dir_name(step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(payload)
-    (d / "common.pt").write_bytes(b"common")
+    torch.save({"train_state": {"step": step}}, d / "common.pt")  # megatron's common state: embeds the TrainState
     man = manifest.build_manifest(
         tier="global", step=step, run_id=run_id, topology={"world_size": 2},
         train_state={"step": step, "consumed_train_samples": step * 4},
@@ -117,7 +118,9 @@ def test_inspect_verify_reports_invalid(tmp_path):
     d = _global_ckpt(tmp_path, 20)
     text, status = listing.verify(str(tmp_path))
     assert status == 0 and "2 checkpoint(s), 0 invalid" in text
-    (d / "common.pt").write_bytes(b"COMMON")
+    data = bytearray((d / "common.pt").read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit pattern changed
+    (d / "common.pt").write_bytes(bytes(data))
     text, status = listing.verify(str(tmp_path))
     assert status == 1 and "checksum-mismatch common.pt" in text
     assert listing.ls(str(tmp_path))[1] == 0  # sizes still match
@@ -209,3 +212,28 @@ def test_wrapped_causes_are_classified():
     except RuntimeError as outer:
         assert retry.classify(outer) == retry.TRANSIENT
     assert retry.classify(None) == retry.OK
+
+
+def test_verify_lists_leftovers_apart_and_fails_only_on_damaged_published(tmp_path):
+    _global_ckpt(tmp_path, 10)
+    (tmp_path / paths.staging_dir_name(20, "runA", 1)).mkdir()  # a save killed mid-write
+    paths.quarantine(_global_ckpt(tmp_path, 5), "checksum-mismatch")
+    text, status = listing.verify(str(tmp_path))
+    assert status == 0, text
+    assert "leftover" in text and "quarantined" in text and "1 checkpoint(s), 0 invalid" in text
+
+
+@pytest.mark.parametrize("where", ["manifest", "embedded"])
+def test_step_disagreement_is_damage(tmp_path, where):
+    d = _global_ckpt(tmp_path, 30)
+    if where == "manifest":
+        man = json.loads((d / paths.MANIFEST).read_text())
+        man["train_state"]["step"] = 29
+        manifest.write_manifest(d / paths.MANIFEST, man)
+    else:  # the TrainState inside the checkpoint names another step; the manifest matches the file
+        torch.save({"train_state": {"step": 31}}, d / "common.pt")
+        man = json.loads((d / paths.MANIFEST).read_text())
+        man["files"] = manifest.describe_files(d, manifest.list_files(d))
+        manifest.write_manifest(d / paths.MANIFEST, man)
+    text, status = listing.verify(str(tmp_path))
+    assert status == 1 and "step-mismatch" in text, text

@@ -56,9 +56,9 @@ def test_newest_valid_wins_and_invalid_is_quarantined(tmp_path):
     _global(g, 3000, run_id="runB")  # another run's: ignored, left alone
     chosen = selection.select(_tiers(tmp_path), family="runA")
     assert chosen.handler.tier is CheckpointTier.GLOBAL and chosen.step == 1000
-    assert chosen.quarantined == ["global step 1001: checksum-mismatch __0_0.distcp"]
+    assert chosen.quarantined == ["global step 1001: checksum-mismatch __0_0.distcp (rank 0)"]
     names = sorted(p.name for p in g.iterdir())
-    assert "iter_0001001.invalid-checksum-mismatch" in names
+    assert "iter_0001001.invalid-checksum-mismatch-rank0" in names
     assert "iter_0003000" in names and paths.staging_dir_name(2000, "runA", 1) in names
 
 
@@ -145,9 +145,9 @@ def test_damaged_local_file_is_quarantined_by_the_read_that_would_load_it(tmp_pa
     tiers = _tiers(tmp_path)
     chosen = selection.select(tiers, family="runA")
     assert (chosen.handler.tier, chosen.step) == (CheckpointTier.LOCAL, 10)
-    assert chosen.quarantined == [f"local step 20: checksum-mismatch {f.name}"]
+    assert chosen.quarantined == [f"local step 20: checksum-mismatch {f.name} (rank 0)"]  # names the rank (issue 10)
     assert sorted(p.name for p in rank_dir.iterdir() if "invalid" in p.name) == sorted([
-        f"{f.name}.invalid-checksum-mismatch", f"{paths.local_manifest_name(20, 0)}.invalid-checksum-mismatch"])
+        f"{f.name}.invalid-checksum-mismatch-rank0", f"{paths.local_manifest_name(20, 0)}.invalid-checksum-mismatch-rank0"])
     kept = tiers[0]._verified[10]  # the verified bytes wait for load(): no second read
     assert bytes(kept.numpy()) == (rank_dir / paths.local_file_name(10, 0)).read_bytes()
 

@@ -143,3 +143,19 @@ def test_tokenizer_type_has_one_rule(tmp_path):
     with pytest.raises(ConfigError) as by_builder:
         build_tokenizer(cfg.tokenizer)
     assert by_builder.value.problems == by_config.value.problems
+
+
+def test_checkpoint_paths_are_checked_before_any_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    cfg = ConfigContainer()
+    cfg.apply_overrides(["checkpoint.local_dir=/proc/nonexistent/sub/local", f"checkpoint.save={blocker}/global"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(1)
+    text = str(info.value)
+    assert "checkpoint.local_dir=/proc/nonexistent/sub/local: cannot create it under /proc" in text
+    assert f"checkpoint.save={blocker}/global: {blocker} is not a directory" in text
+    ok = ConfigContainer()
+    ok.apply_overrides([f"checkpoint.save={tmp_path}/new/global", f"checkpoint.local_dir={tmp_path}/local"])
+    ok.validate(1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # validation creates nothing

@@ -1,0 +1,55 @@
+"""Resume guards on 2 CPU ranks: a quarantine names the rank whose file failed, evidence of an
+earlier run never leads to a silent fresh start, and a checkpoint without RNG state says so."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def run(out: Path, *overrides: str) -> tuple[int, str, list]:
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(WORKER), str(out),
+           f"logger.run_dir={out}/run", "checkpoint.collective_timeout_s=30", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    recs = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
+            for r in range(2)]
+    return proc.returncode, proc.stdout + proc.stderr, recs
+
+
+@pytest.mark.slow
+def test_quarantine_names_the_rank_and_evidence_stops_every_relaunch(tmp_path):
+    loc = tmp_path / "local"
+    rc, log, _ = run(tmp_path / "a", "train.train_iters=2", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=2")
+    assert rc == 0, log[-4000:]
+    victim = loc / "1" / "iter_0000002_1_local.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    for attempt in ("b", "c"):  # however many times it is relaunched
+        rc, log, _ = run(tmp_path / attempt, "train.train_iters=3", f"checkpoint.local_dir={loc}")
+        assert rc != 0, log[-4000:]
+        assert "allow_fresh_start_on_invalid" in log and "no fresh start" not in log
+        if attempt == "b":
+            assert "local checkpoint of step 2 failed its check on rank 1 (checksum-mismatch" in log, log[-4000:]
+            assert "of rank 0 is invalid" not in log
+        else:
+            assert "found " in log and ".invalid-checksum-mismatch-rank1" in log, log[-4000:]
+    assert (loc / "0" / "iter_0000002_0_local.pt.invalid-checksum-mismatch-rank1").exists()
+    rc, log, recs = run(tmp_path / "d", "train.train_iters=1", f"checkpoint.local_dir={loc}",
+                        "checkpoint.allow_fresh_start_on_invalid=true")
+    assert rc == 0 and recs[0]["resume"] is None, log[-4000:]
+
+
+@pytest.mark.slow
+def test_resume_without_saved_rng_says_so_once(tmp_path):
+    g = tmp_path / "global"
+    rc, log, _ = run(tmp_path / "a", "train.train_iters=2", f"checkpoint.save={g}", "checkpoint.save_rng=false")
+    assert rc == 0, log[-4000:]
+    rc, log, recs = run(tmp_path / "b", "train.train_iters=3", f"checkpoint.save={g}")
+    assert rc == 0 and recs[0]["resume"]["step"] == 2, log[-4000:]
+    assert log.count("saved with checkpoint.save_rng=false: RNG state not restored") == 1, log[-4000:]

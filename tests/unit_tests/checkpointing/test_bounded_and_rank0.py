@@ -1,0 +1,132 @@
+"""Issue 10: checkpoint collectives are bounded in time, and megatron-core's rank-0-only writes
+fail after its collectives. Real gloo process groups (file store, no port), real megatron-core
+``dist_checkpointing.save`` and real files."""
+
+import errno
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from tierstack.checkpointing import errors, global_writer, rank0_phases, retry
+from tierstack.runtime import collectives as _dist
+
+
+def _bounded_rank(rank: int, store: str, gone: str, out) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        if rank == 1:  # the peer that never arrives: waits until rank 0 has given up
+            deadline = time.monotonic() + 60
+            while not __import__("os").path.exists(gone) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            out.put(("peer", None))
+            return
+        t0 = time.monotonic()
+        try:
+            with _dist.bounded(2.0, 600.0):
+                retry.run_agreed(lambda: None)  # an agreement the peer never joins
+            out.put(("rank0", ("no error", time.monotonic() - t0)))
+        except errors.CollectiveFailure as e:
+            out.put(("rank0", (type(e).__name__, time.monotonic() - t0)))
+        open(gone, "w").close()
+    finally:
+        torch.distributed.destroy_process_group() if rank == 0 else None
+
+
+def test_agreement_with_a_missing_peer_fails_within_the_collective_timeout(tmp_path):
+    """A rank that never enters the agreement makes it fail on the other rank within
+    ``checkpoint.collective_timeout_s`` (here 2 s), as CollectiveFailure, not after the 600 s
+    training timeout."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_bounded_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "gone"), out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    kind, seconds = got["rank0"]
+    assert kind == "CollectiveFailure", got
+    assert seconds < 30, seconds  # bounded by the 2 s timeout (plus start-up on a loaded machine)
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """1-rank gloo group, with the CPU layer megatron-core's finalize needs on a CPU-only torch."""
+    from tierstack.runtime import cpu_compat
+
+    was_active = cpu_compat.is_active()
+    cpu_compat.activate()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+    if not was_active:
+        cpu_compat.deactivate()
+
+
+def test_megatron_common_state_write_is_deferred_past_the_plan(gloo_group, tmp_path):
+    """megatron-core writes common.pt on rank 0 alone before its planning collectives; inside
+    ``deferring`` the write error is recorded, the save walks on (the plan is made), and the error
+    is raised at the end with its path and errno, so the caller's agreement sees it on every rank."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "common.pt").mkdir()  # torch.save onto a directory: a real OSError from the real write
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "note": "common"}
+    planned = []
+    with pytest.raises(RuntimeError, match="Is a directory") as info:  # torch.save's own wrapping
+        with rank0_phases.deferring():
+            planned.append(dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True))
+    assert planned and planned[0] is not None  # megatron went past common.pt into the write plan
+    assert errors.classify(info.value) == errors.PERMANENT  # not a transient errno: not retried
+    # outside ``deferring`` the same write raises where it happens (the wrapper is inert)
+    with pytest.raises(RuntimeError, match="Is a directory"):
+        dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True)
+
+
+def test_transient_rank0_metadata_error_reruns_only_the_failed_write(gloo_group, tmp_path):
+    """A retried finalize re-runs only rank 0's failed write (``Deferred.rerun``), after which the
+    real megatron checkpoint loads."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import common
+
+    rank0_phases.install()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
+    real = common.TorchCommonSaveStrategy.save_common.__wrapped__
+    fails = [OSError(errno.EIO, "Input/output error", str(ckpt / "common.pt"))]
+
+    def flaky(self, common_state_dict, checkpoint_dir):
+        if fails:
+            raise fails.pop()
+        return real(self, common_state_dict, checkpoint_dir)
+
+    wrapped = rank0_phases._deferrable(flaky, "common state (common.pt)")
+    saved = common.TorchCommonSaveStrategy.save_common
+    common.TorchCommonSaveStrategy.save_common = wrapped
+    try:
+        pending = rank0_phases.Deferred()
+        with pytest.raises(OSError) as info:
+            with rank0_phases.deferring(pending):
+                request = dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True)
+        assert errors.classify(info.value) == errors.TRANSIENT and len(pending.calls) == 1
+        pending.rerun()  # the retry: only common.pt is written again
+        assert not pending.calls and (ckpt / "common.pt").is_file()
+    finally:
+        common.TorchCommonSaveStrategy.save_common = saved
+    try:  # finish the save as the GLOBAL tier does: tierstack's writer, then megatron's finalize
+        global_writer.write_request(request, ckpt, attempts=1, backoff_s=0.0)
+        for fn in request.finalize_fns:
+            fn()
+    finally:
+        global_writer.shutdown_results_channel()
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, str(ckpt))
+    assert torch.equal(loaded["w"], torch.arange(8.0))

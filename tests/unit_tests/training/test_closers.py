@@ -1,0 +1,46 @@
+"""Closers: every resource closes, a failing closer never hides the error that ended the run."""
+
+import contextlib
+import logging
+
+import pytest
+
+from tierstack.training.closers import register
+
+
+def test_error_in_flight_is_kept_and_every_closer_runs(caplog):
+    closed = []
+
+    def failing_close():
+        closed.append("manager")
+        raise RuntimeError("final publish failed")
+
+    with pytest.raises(ValueError, match="setup broke"):
+        with contextlib.ExitStack() as stack:
+            register(stack, "process groups", lambda: closed.append("groups"))
+            register(stack, "mlflow run", lambda status: closed.append(f"mlflow {status}"), with_status=True)
+            register(stack, "checkpoint manager", failing_close)
+            register(stack, "straggler monitor", lambda: closed.append("straggler"))
+            raise ValueError("setup broke")
+    assert closed == ["straggler", "manager", "mlflow FAILED", "groups"]
+    assert "closing checkpoint manager failed" in caplog.text and "final publish failed" in caplog.text
+
+
+def test_closer_failure_is_raised_when_nothing_else_is_in_flight():
+    statuses = []
+    with pytest.raises(RuntimeError, match="final publish failed"):
+        with contextlib.ExitStack() as stack:
+            register(stack, "mlflow run", statuses.append, with_status=True)
+            register(stack, "checkpoint manager", lambda: (_ for _ in ()).throw(RuntimeError("final publish failed")))
+    assert statuses == ["FAILED"]  # the run did not end well: mlflow says so
+
+
+def test_clean_exit_finishes_and_ctrl_c_is_killed():
+    statuses = []
+    with contextlib.ExitStack() as stack:
+        register(stack, "mlflow run", statuses.append, with_status=True)
+    with pytest.raises(KeyboardInterrupt):
+        with contextlib.ExitStack() as stack:
+            register(stack, "mlflow run", statuses.append, with_status=True)
+            raise KeyboardInterrupt
+    assert statuses == ["FINISHED", "KILLED"]
