@@ -2,20 +2,18 @@
 earlier run never leads to a silent fresh start, and a checkpoint without RNG state says so."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from launcher import run_torchrun
+
 WORKER = Path(__file__).with_name("ckpt_worker.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def run(out: Path, *overrides: str) -> tuple[int, str, list]:
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(WORKER), str(out),
-           f"logger.run_dir={out}/run", "checkpoint.collective_timeout_s=30", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun([WORKER, out, f"logger.run_dir={out}/run", "checkpoint.collective_timeout_s=30", *overrides],
+                        timeout=240)
     recs = [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
             for r in range(2)]
     return proc.returncode, proc.stdout + proc.stderr, recs

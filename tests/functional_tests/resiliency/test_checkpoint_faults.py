@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,11 +20,11 @@ import pytest
 import torch
 
 import faults
+from launcher import run_torchrun
 from tierstack.checkpointing import listing
 
 HERE = Path(__file__).parent
 WORKER = HERE.parent / "checkpointing" / "ckpt_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 LAUNCH_TIMEOUT_S = 300  # the test's own bound; every case must end far sooner
 DIST_TIMEOUT_S = 600  # distributed.timeout_s of the runs (the default): what a hang would cost
 COLLECTIVE_TIMEOUT_S = 20
@@ -37,27 +36,24 @@ TABLE: list[dict] = []
 
 
 def launch(out: Path, fault_list: list[dict], *overrides: str) -> dict:
-    """Run 2 ranks with ``fault_list`` injected; kill the whole process group on timeout.
+    """Run 2 ranks (the suite's launcher) with ``fault_list`` injected; on timeout kill every process.
 
     Returns ``{"rc", "log", "wall_s", "records", "fired"}``; asserts no process is left behind.
     """
     fault_dir = out / "faults"
     fault_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TIERSTACK_FAULTS=json.dumps(fault_list), TIERSTACK_FAULT_DIR=str(fault_dir),
-               PYTHONPATH=os.pathsep.join([str(HERE / "inject"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(WORKER), str(out / "rec"),
-           f"logger.run_dir={out}/run", *BASE, *overrides]
+    env = {"TIERSTACK_FAULTS": json.dumps(fault_list), "TIERSTACK_FAULT_DIR": str(fault_dir),
+           "PYTHONPATH": os.pathsep.join([str(HERE / "inject"), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill_launch(fault_dir)
-        log, _ = proc.communicate()
-        pytest.fail(f"hang: no exit within {LAUNCH_TIMEOUT_S}s\n{log[-4000:]}")
+        proc = run_torchrun([WORKER, out / "rec", f"logger.run_dir={out}/run", *BASE, *overrides],
+                            timeout=LAUNCH_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired as e:
+        _kill_launch(fault_dir)  # the ranks run in sessions of their own: found by their environment
+        pytest.fail(f"hang: no exit within {LAUNCH_TIMEOUT_S}s\n{(e.output or '')[-3000:]}{(e.stderr or '')[-3000:]}")
     wall = time.monotonic() - t0
     ended = time.time()
+    log = proc.stdout + proc.stderr
     (out / "launch.log").write_text(log)
     _assert_nothing_left(fault_dir)
     records = []
