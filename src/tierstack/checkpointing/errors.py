@@ -22,6 +22,8 @@ import errno
 import re
 from typing import Iterator, Optional
 
+from tierstack.runtime.collectives import CollectiveError
+
 TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ESTALE, errno.EBUSY, errno.ECONNRESET, errno.EINTR}
 )
@@ -35,12 +37,9 @@ class RemoteFailure(Exception):
     """This rank's part went fine, or could not go on, because another rank failed."""
 
 
-class CollectiveFailure(RuntimeError):
-    """A checkpoint collective failed or timed out (a rank is gone or hung).
-
-    The process group can no longer be trusted, so this is never retried and stops the run on
-    every rank that sees it; the others see it within ``checkpoint.collective_timeout_s``.
-    """
+# A checkpoint collective failed or timed out (a rank is gone or hung): never retried, it stops the
+# run on every rank that sees it; the others see it within ``checkpoint.collective_timeout_s``.
+CollectiveFailure = CollectiveError
 
 
 class NotRetryable(RuntimeError):

@@ -2,15 +2,43 @@
 
 Every function is a no-op reduction when torch.distributed is off, so the pure parts of the
 checkpointing, resiliency and training code run in single-process tests. Each is a sync point.
+A helper whose collective fails (a peer is gone, or hung past the group's timeout: see
+:func:`bounded`) raises :class:`CollectiveError`, whatever the backend called it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import functools
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a rank is gone or hung.
+
+    The process group can no longer be trusted, so callers never retry on it; every other rank
+    sees the same within the group's timeout (``checkpoint.collective_timeout_s`` inside
+    :func:`bounded`, else ``distributed.timeout_s``).
+    """
+
+
+def _guarded(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CollectiveError:
+            raise
+        except RuntimeError as e:  # gloo/NCCL timeouts and closed connections; torch's DistError
+            raise CollectiveError(f"{fn.__name__} failed ({e}); a rank is gone or hung") from e
+
+    return wrapper  # type: ignore[return-value]
 
 
 def is_distributed() -> bool:
@@ -31,6 +59,7 @@ def _device() -> torch.device:
     return runtime.device()
 
 
+@_guarded
 def all_reduce_max(value: int) -> int:
     """Largest ``value`` over all ranks (a sync point)."""
     if not is_distributed():
@@ -50,6 +79,7 @@ def all_true(flag: bool) -> bool:
     return all_reduce_max(0 if flag else 1) == 0
 
 
+@_guarded
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (picklable), indexed by rank, on every rank."""
     if not is_distributed():
@@ -59,6 +89,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+@_guarded
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s ``obj`` (picklable), on every rank."""
     if not is_distributed():
@@ -68,6 +99,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+@_guarded
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
