@@ -211,14 +211,20 @@ def test_local_save_in_flight_at_the_end_is_sealed_and_holds_the_handed_off_stat
 @pytest.mark.slow
 def test_sigkill_while_a_local_save_is_written_resumes_from_the_previous_step(tmp_path):
     """Rank 1 dies (SIGKILL) half-way through writing its LOCAL file of step 4; step 2 was sealed.
-    The next launch resumes from step 2: a step not sealed on every rank is never a candidate."""
+    The next launch resumes from step 2: a step not sealed on every rank is never a candidate; the
+    interrupted save's ``.dirty`` file is a leftover (``verify`` exits 0) that the next LOCAL save,
+    of another step, removes (issue 10)."""
     loc = tmp_path / "local"
     launch(tmp_path / "a", "train.train_iters=6", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=2",
            kill_during_local_write=4, expect_failure=True)
     assert (loc / "1" / "iter_0000004_1_local.dirty.pt").exists()
     assert not (loc / "1" / "iter_0000004_1_local.manifest.json").exists()
-    b = launch(tmp_path / "b", "train.train_iters=6", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=2")
+    text, status = listing.verify(str(loc))
+    assert status == 0 and "leftover" in text, text
+    b = launch(tmp_path / "b", "train.train_iters=6", f"checkpoint.local_dir={loc}", "checkpoint.local_save_interval=3")
     assert b[0]["resume"]["tier"] == "local" and b[0]["resume"]["step"] == 2
     assert sorted(b[0]["losses"], key=int) == ["3", "4", "5", "6"]
-    assert b[0]["local_sealed"] == [4, 6] == b[1]["local_sealed"]
-    assert listing.verify(str(loc))[1] == 0
+    assert b[0]["local_sealed"] == [3, 6] == b[1]["local_sealed"]
+    assert not (loc / "1" / "iter_0000004_1_local.dirty.pt").exists()  # removed by the save of step 3
+    text, status = listing.verify(str(loc))
+    assert status == 0 and "leftover" not in text, text

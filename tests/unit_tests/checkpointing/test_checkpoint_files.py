@@ -237,3 +237,16 @@ def test_step_disagreement_is_damage(tmp_path, where):
         manifest.write_manifest(d / paths.MANIFEST, man)
     text, status = listing.verify(str(tmp_path))
     assert status == 1 and "step-mismatch" in text, text
+
+
+def test_leftovers_of_this_run_are_removed_and_another_runs_staging_is_kept(tmp_path):
+    """What the next save of a tier removes (issue 10): its own staging directories, .dirty files and
+    temp files of other processes; never a checkpoint, nor another run's staging (maybe in progress)."""
+    keep = [_global_ckpt(tmp_path, 10).name, paths.staging_dir_name(30, "runB", 1),
+            f".latest_checkpointed_iteration.txt.tmp-{os.getpid()}"]  # this process's own write in progress
+    gone = [paths.staging_dir_name(20, "runA", 1), "iter_0000020_0_local.dirty.pt", ".run.json.tmp-999999"]
+    for name in keep[1:] + gone:
+        (tmp_path / name).mkdir() if "staging" in name else (tmp_path / name).write_bytes(b"x")
+    removed = paths.remove_leftovers(tmp_path, "runA")
+    assert sorted(p.name for p in removed) == sorted(gone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
