@@ -112,15 +112,23 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
             if problem is None:
                 problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
             per_step[parsed[0]].append((r, man, problem))
+    # a step whose .dirty file some rank left was never sealed on every rank: an interrupted save
+    interrupted = {paths.parse_local_file(f.name.split(".")[0] + ".pt") for f in leftovers if f.name.endswith(".dirty.pt")}
+    interrupted_steps = {parsed[0] for parsed in interrupted if parsed}
     rows = []
     for step in paths.sorted_steps(per_step):
         entries = per_step[step]
         problems = [f"rank {r}: {p}" for r, _, p in entries if p is not None]
-        if len(entries) != len(ranks):
-            problems.append(f"only {len(entries)} of {len(ranks)} ranks")
         man = next((m for _, m, _ in entries if m), None)
         size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
-        rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, f"{len(entries)} rank files"))
+        where = f"{len(entries)} rank files"
+        if len(entries) != len(ranks) and step in interrupted_steps and not problems:
+            rows.append(_row("local", step, size, len(entries), None, man,
+                             f"{where}: interrupted save, sealed on {len(entries)} of {len(ranks)} ranks", "leftover"))
+            continue
+        if len(entries) != len(ranks):
+            problems.append(f"only {len(entries)} of {len(ranks)} ranks")
+        rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, where))
     for f in leftovers:
         kind = "quarantined" if ".invalid-" in f.name else "leftover"
         step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
