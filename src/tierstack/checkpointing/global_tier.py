@@ -63,6 +63,7 @@ class GlobalTier(StagedTier):
 
     tier = CheckpointTier.GLOBAL
     persistent = True  # survives the loss of a node: the final save of a run goes here
+    per_rank_files = False  # one shared checkpoint: invalid as a whole when any part fails
 
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
                  run_config: Mapping[str, Any], on_publish: Callable[[SaveEvent], None] = lambda e: None):
@@ -270,6 +271,8 @@ class GlobalTier(StagedTier):
         if _dist.rank() == 0:
             try:
                 retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k)
+                budget = self.cfg.quarantine_budget_bytes
+                retention.prune_quarantined(self.save_root, size if budget is None else budget)
             except OSError as e:  # retention never fails a save
                 log.warning("GLOBAL retention after step %d failed: %s", step, e)
         self.published.append(step)
@@ -356,6 +359,9 @@ class GlobalTier(StagedTier):
         """This rank's share of the file checks (sizes and checksums, split over ranks)."""
         names = sorted(cand.manifest["files"])
         return manifest.check_files(cand.path, cand.manifest["files"], names[_dist.rank():: _dist.world_size()])
+
+    def prepare_resume(self, run_id: str) -> None:
+        """Nothing to fetch: a GLOBAL checkpoint is on shared storage."""
 
     def quarantine(self, cand: Candidate, reason: str) -> None:
         if _dist.rank() == 0 and cand.path.exists():

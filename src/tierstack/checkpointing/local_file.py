@@ -105,6 +105,50 @@ def write(path: Path, header: bytes, buffers: Sequence[torch.Tensor], algo: str 
     return {"size": size, algo: value}
 
 
+def write_raw(path: Path, data: torch.Tensor) -> None:
+    """Write the bytes of a whole LOCAL file (a replica, a retrieved copy) durably at ``path``, as
+    :func:`write` does: ``.dirty`` first, fsync, rename, fsync the directory.
+
+    Args:
+        data: the file's bytes, a 1-D ``torch.uint8`` host tensor.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dirty = path.with_name(path.name.replace(".pt", ".dirty.pt"))
+    dirty.unlink(missing_ok=True)
+    view = _bytes_view(data)
+    fd = os.open(dirty, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for i in range(0, len(view), _CHUNK):
+            chunk = view[i:i + _CHUNK]
+            while chunk:
+                chunk = chunk[os.write(fd, chunk):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(dirty, path)
+    paths.fsync_dir(path.parent)
+
+
+def check_bytes(data: torch.Tensor, entry: dict, name: str) -> None:
+    """Check a whole file's bytes held in memory (a replica received over the network) against its
+    manifest entry: size, then checksum.
+
+    Raises:
+        LocalFileError: ``"<reason> <name> ..."`` (no-checksum, size-mismatch, checksum-mismatch).
+    """
+    algo = manifest.entry_algo(entry)
+    if algo is None:
+        raise LocalFileError(f"no-checksum {name}")
+    if data.numel() != int(entry["size"]):
+        raise LocalFileError(f"size-mismatch {name} ({data.numel()} != {entry['size']} bytes)")
+    view, value = _bytes_view(data), 0
+    for i in range(0, len(view), _CHUNK):
+        value = manifest.CHECKSUMS[algo](view[i:i + _CHUNK], value)
+    if value != int(entry[algo]):
+        raise LocalFileError(f"checksum-mismatch {name}")
+
+
 def read_verified(path: Path, entry: dict) -> torch.Tensor:
     """Read ``path`` once into a host buffer, checking size and checksum against ``entry``.
 

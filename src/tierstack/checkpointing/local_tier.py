@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing import compat, errors, local_file, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import compat, errors, local_file, local_replicas, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
@@ -62,6 +62,7 @@ class LocalTier(StagedTier):
 
     tier = CheckpointTier.LOCAL
     persistent = False  # node-local: lost with the node
+    per_rank_files = True
 
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
                  run_config: Optional[Mapping[str, Any]] = None):
@@ -73,6 +74,13 @@ class LocalTier(StagedTier):
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.sealed: list[int] = []  # steps sealed on every rank by this process
+        self._replicator = None  # checkpoint.replication_factor > 1: copies on other nodes (local_replicas)
+        if self.root is not None and cfg.replication_factor > 1:
+            from tierstack.checkpointing.replication import Replicator
+
+            jump = cfg.replication_jump or parallel_layout.ranks_per_node
+            self._replicator = Replicator(cfg.replication_factor, jump, parallel_layout.rank, parallel_layout.world_size)
+            self._replicas = local_replicas.ReplicaStore(self.root, parallel_layout.rank)
 
     @property
     def enabled(self) -> bool:
@@ -205,11 +213,17 @@ class LocalTier(StagedTier):
         error = self._job_error(job)
         if error is not None:
             log.error("LOCAL write of step %d failed on rank %d: %s", job.step, self.layout.rank, errors.describe(error))
+        reason = None
         try:
             retry.agree(error)  # the writer already retried transient errors; every rank learns each cause
         except retry.SaveAttemptFailed as e:
+            reason = str(e)
+        if reason is None and self._replicator is not None and not local_replicas.replicate_step(
+                self._replicator, self._replicas, job.step, job.run_id, self.cfg.most_recent_k):
+            reason = "replication to the other nodes failed on some rank"
+        if reason is not None:
             self._remove_step(job.step, job.run_id)
-            log.error("LOCAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", job.step, e)
+            log.error("LOCAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", job.step, reason)
             self.failures.append(job.step)
             return
         self.sealed.append(job.step)
@@ -219,6 +233,8 @@ class LocalTier(StagedTier):
         try:
             retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step,
                                   self.cfg.most_recent_k)
+            budget = self.cfg.quarantine_budget_bytes
+            retention.prune_quarantined(self.rank_dir, int(job.job.result()) if budget is None else budget)
         except OSError as e:
             log.warning("LOCAL retention after step %d failed: %s", job.step, e)
         if self.layout.rank == 0:
@@ -226,6 +242,13 @@ class LocalTier(StagedTier):
                      job.step, self.root, job.blocked_s, self.last_durable_s)
 
     # ------------------------------------------------------------------ resume
+    def prepare_resume(self, run_id: str) -> None:
+        """Collective: with replication, the ranks that miss their file of the newest step every
+        rank can obtain retrieve it from a replica (:func:`local_replicas.retrieve_for_resume`)."""
+        self._verified.clear()  # every (re)start selects afresh: nothing read before counts
+        if self._replicator is not None:
+            local_replicas.retrieve_for_resume(self._replicator, self._replicas, run_id)
+
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
         if self.root is None or not self.rank_dir.is_dir():
             return []

@@ -130,6 +130,8 @@ class CheckpointManager:
         family = run_family.decide(handlers)
         if family is None:  # a new run: nothing in any tier is ours
             return self._fresh_start(objs, selection.Selection())
+        for handler in handlers:  # a fresh selection on every start: nothing cached from a previous attempt
+            handler.prepare_resume(family)
         chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step)
         if chosen.handler is None:
             return self._fresh_start(objs, chosen)
@@ -146,10 +148,12 @@ class CheckpointManager:
 
     def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection) -> None:
         c = self.cfg
-        if chosen.quarantined and not c.allow_fresh_start_on_invalid:
+        if (chosen.quarantined or chosen.missing) and not c.allow_fresh_start_on_invalid:
+            found = "; ".join(chosen.quarantined + chosen.missing)
             raise CheckpointLoadError(
-                "checkpoints exist but none is valid (" + "; ".join(chosen.quarantined) + "; quarantined as "
-                "*.invalid-<reason>); fix them or set checkpoint.allow_fresh_start_on_invalid=true"
+                f"checkpoints exist but none can be resumed on every rank ({found}; invalid ones quarantined as "
+                "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), enable "
+                "checkpoint.replication_factor for next time, or set checkpoint.allow_fresh_start_on_invalid=true"
             )
         if c.ckpt_step is not None:
             raise CheckpointLoadError(f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in any tier")

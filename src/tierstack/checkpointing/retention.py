@@ -3,11 +3,16 @@
 A removal that fails is logged and skipped (the next publish tries again). Never deletes the
 checkpoint just published, anything newer than it (a run resumed from an older
 step with ``ckpt_step`` leaves newer ones alone), or a checkpoint of another run.
+
+Quarantined checkpoints (``*.invalid-<reason>``, renamed by resume selection) are kept for
+inspection, but not forever: they count against ``checkpoint.quarantine_budget_bytes`` per
+directory, and the oldest beyond it are removed, each removal logged (:func:`prune_quarantined`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -71,4 +76,39 @@ def prune_local(rank_dir: Path, rank: int, run_id: str, published: int, k: int) 
         if _try(lambda p: p.unlink(missing_ok=True), Path(rank_dir) / paths.local_file_name(step, rank)):
             _try(lambda p: p.unlink(missing_ok=True), Path(rank_dir) / paths.local_manifest_name(step, rank))
             removed.append(step)
+    return removed
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory (0 when it vanished meanwhile)."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError:
+        return 0
+
+
+def prune_quarantined(directory: Path, budget_bytes: int) -> list[Path]:
+    """Remove the oldest quarantined entries (``*.invalid-*`` files or directories) of ``directory``
+    until the rest take at most ``budget_bytes``; returns what was removed (each one logged).
+
+    Oldest by modification time (a rename keeps it: the age of the checkpoint, not of the
+    quarantine); a LOCAL file and its manifest are two entries, removed in that order.
+    """
+    try:
+        entries = [p for p in Path(directory).iterdir() if ".invalid-" in p.name]
+    except OSError:
+        return []
+    sized = sorted(((p.stat().st_mtime, p, _size(p)) for p in entries if p.exists()), key=lambda e: e[0])
+    total = sum(n for _, _, n in sized)
+    removed = []
+    for _, p, n in sized:
+        if total <= budget_bytes:
+            break
+        log.warning("retention: removing quarantined %s (%d bytes; quarantined checkpoints in %s take %d bytes, "
+                    "checkpoint.quarantine_budget_bytes=%d)", p, n, directory, total, budget_bytes)
+        if _try(shutil.rmtree if p.is_dir() else (lambda q: q.unlink(missing_ok=True)), p):
+            total -= n
+            removed.append(p)
     return removed

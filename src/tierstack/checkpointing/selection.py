@@ -7,6 +7,12 @@ that fails its checks is quarantined and the next is tried; a LOCAL checkpoint w
 topology is skipped (it is not broken, just not loadable here); another run's checkpoints are
 reported and left alone. Which run is "this run" is decided before, by
 :mod:`tierstack.checkpointing.family`.
+
+A step that some rank does not hold at all (its node was replaced, its write never finished) is
+skipped, never quarantined: the ranks that hold it keep their good files, and the ranks that miss
+it are named (``Selection.missing``). Quarantine is for what fails its own checks: a tier whose
+files are per rank (LOCAL, ``per_rank_files``) renames only the files of the ranks whose own check
+failed; a shared checkpoint (GLOBAL) is invalid as a whole.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from tierstack.checkpointing.types import Candidate, CheckpointTier, CheckpointT
 log = logging.getLogger(__name__)
 
 _SKIP_NOT_INVALID = ("topology-changed", "other-run", "no-manifest")
+MISSING = "missing-on-rank"
 
 
 @dataclass
@@ -29,6 +36,8 @@ class Selection:
     step: Optional[int] = None
     quarantined: list[str] = field(default_factory=list)  # "<tier> step <n>: <reason>"
     skipped: list[str] = field(default_factory=list)
+    # "<tier> step <n>: missing on rank(s) [..]" for steps skipped because some rank holds nothing
+    missing: list[str] = field(default_factory=list)
     manifest: Optional[dict] = None  # the chosen checkpoint's manifest on this rank (compared before load)
 
 
@@ -61,17 +70,22 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
     result = Selection()
     for key in _order(keys, [h.tier for h in handlers]):
         tier, step = key
-        problems = [s.get(key, "missing-on-rank") for s in summaries]
+        problems = [s.get(key, MISSING) for s in summaries]
         skip = next((p for p in problems if p in _SKIP_NOT_INVALID), None)
         if skip is not None:
             result.skipped.append(f"{tier.value} step {step}: {skip}")
             if _dist.rank() == 0:
                 _log_skip(tier, step, skip, views.get(key), family)
             continue
-        cand = views.get(key)
-        local = cand.problem if cand is not None else "missing-on-rank"
-        if local is None:
-            local = by_tier[tier].verify(cand)
+        absent = [r for r, p in enumerate(problems) if p == MISSING]
+        if absent:  # not invalid: some rank holds nothing of it; the others keep their files
+            result.missing.append(f"{tier.value} step {step}: missing on rank(s) {absent}")
+            if _dist.rank() == 0:
+                log.warning("resume: %s checkpoint of step %d is missing on rank(s) %s: skipped (the files of "
+                            "the other ranks are left as they are)", tier.value.upper(), step, absent)
+            continue
+        cand = views[key]
+        local = cand.problem if cand.problem is not None else by_tier[tier].verify(cand)
         problems = _dist.all_gather_object(local)
         if all(p is None for p in problems):
             result.handler, result.step, result.manifest = by_tier[tier], step, cand.manifest
@@ -81,7 +95,9 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
         if _dist.rank() == 0:
             log.warning("resume: %s checkpoint of step %d failed its check on rank %d (%s); quarantined",
                         tier.value, step, bad_rank, reason)
-        if cand is not None:
+        if not getattr(by_tier[tier], "per_rank_files", False):  # shared: invalid as a whole
             by_tier[tier].quarantine(cand, f"{reason.split(' ')[0]}-rank{bad_rank}")
+        elif local is not None:  # per rank: only the files that failed their own check
+            by_tier[tier].quarantine(cand, f"{local.split(' ')[0]}-rank{_dist.rank()}")
         _dist.barrier()
     return result

@@ -69,6 +69,7 @@ class CheckpointTierHandler(Protocol):
 
     tier: CheckpointTier
     persistent: ClassVar[bool]  # survives the loss of a node (the final save of a run prefers such a tier)
+    per_rank_files: ClassVar[bool]  # each rank's own files (LOCAL): a failed check quarantines that rank's only
     failures: list[int]  # steps whose save failed on some rank, in order (the manager decides what follows)
 
     @property
@@ -93,6 +94,11 @@ class CheckpointTierHandler(Protocol):
 
     def claim(self, run_id: str) -> None:
         """At a fresh start: write ``run.json`` of ``run_id`` where the tier saves (on the right ranks)."""
+        ...
+
+    def prepare_resume(self, run_id: str) -> None:
+        """Before resume selection: make what this tier can obtain available locally (LOCAL: files
+        retrieved from replicas on other nodes); no-op for a tier that has nothing to fetch."""
         ...
 
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:

@@ -111,7 +111,7 @@ class ConfigContainer:
         """``{name: section}`` of every enabled section (an off optional section is left out)."""
         return {name: getattr(self, name) for name in SECTION_TYPES if getattr(self, name) is not None}
 
-    def validate(self, world_size: Optional[int] = None) -> None:
+    def validate(self, world_size: Optional[int] = None, ranks_per_node: Optional[int] = None) -> None:
         """Check everything that can be checked before launch; raise every problem at once.
 
         Each section checks its own fields (``problems()`` of each section); this adds the rules
@@ -119,6 +119,8 @@ class ConfigContainer:
 
         Args:
             world_size: number of ranks; defaults to ``$WORLD_SIZE`` or 1.
+            ranks_per_node: ranks on each node; defaults to ``$LOCAL_WORLD_SIZE`` (torchrun's), else
+                ``world_size`` (one node).
 
         Raises:
             ConfigError: listing each problem with the field to change.
@@ -134,6 +136,9 @@ class ConfigContainer:
                  d.tensor_model_parallel_size, d.pipeline_model_parallel_size)
         if min(sizes) >= 1:
             p += self._validate_parallel(world_size)
+        if ranks_per_node is None:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
+        p += self._validate_replication(world_size, ranks_per_node)
         if p:
             raise ConfigError(p)
 
@@ -172,6 +177,24 @@ class ConfigContainer:
                     f"train.global_batch_size={t.global_batch_size} is not divisible by "
                     f"train.micro_batch_size * data_parallel_size = {t.micro_batch_size} * {dp}"
                 )
+        return p
+
+    def _validate_replication(self, world_size: int, ranks_per_node: int) -> list[str]:
+        """LOCAL replication (NVRx clique groups: ranks n, n+J, ..., n+(F-1)J) needs F nodes and
+        a world size divisible by J * F (``parse_group_sequence`` of nvidia-resiliency-ext)."""
+        c = self.checkpoint
+        f = c.replication_factor
+        if f <= 1 or (c.replication_jump is not None and c.replication_jump < 1):
+            return []
+        nodes = max(1, world_size // max(1, ranks_per_node))
+        jump = c.replication_jump or ranks_per_node
+        p = []
+        if f > nodes:
+            p.append(f"checkpoint.replication_factor={f} is larger than the number of nodes ({nodes}: "
+                     f"{world_size} ranks, {ranks_per_node} per node): a replica on the same node dies with it")
+        if world_size % (jump * f):
+            p.append(f"checkpoint.replication_jump={jump} does not fit: world size {world_size} must be divisible "
+                     f"by replication_jump * replication_factor = {jump * f}")
         return p
 
     # ------------------------------------------------------------------ helpers

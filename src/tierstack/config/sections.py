@@ -235,9 +235,26 @@ class CheckpointConfig(_Section):
     # on every rank within this bound instead of distributed.timeout_s. A slow write is bounded by
     # async_write_timeout_s instead (its wait is many short polls). null = distributed.timeout_s.
     collective_timeout_s: Optional[float] = 120.0
+    # LOCAL replicas on other nodes (nvidia-resiliency-ext clique replication): each rank's LOCAL
+    # file is also kept by replication_factor - 1 ranks, replication_jump ranks apart (default:
+    # the ranks per node, i.e. on the next nodes). 1 = off. A step is sealed once every replica holds it.
+    replication_factor: int = 1
+    replication_jump: Optional[int] = None
+    # Quarantined (*.invalid-*) LOCAL files of a rank and GLOBAL directories are kept for inspection
+    # up to this many bytes per directory; retention removes the oldest beyond it and logs each.
+    # None: as much as the checkpoint just sealed (one checkpoint's worth).
+    quarantine_budget_bytes: Optional[int] = None
 
     def problems(self) -> list[str]:
         p = []
+        if self.replication_factor < 1:
+            p.append("checkpoint.replication_factor must be >= 1 (1 = no replicas)")
+        if self.replication_factor > 1 and self.local_dir is None:
+            p.append("checkpoint.replication_factor > 1 replicates LOCAL checkpoints: set checkpoint.local_dir")
+        if self.replication_jump is not None and self.replication_jump < 1:
+            p.append("checkpoint.replication_jump must be >= 1 or null (= ranks per node)")
+        if self.quarantine_budget_bytes is not None and self.quarantine_budget_bytes < 0:
+            p.append("checkpoint.quarantine_budget_bytes must be >= 0 or null")
         if self.save_interval is not None and self.save_interval < 1:
             p.append("checkpoint.save_interval must be >= 1 or null")
         if self.save_interval is not None and self.save is None:

@@ -30,6 +30,20 @@ class ParallelLayout:
     tensor_model_parallel_rank: int
     pipeline_model_parallel_rank: int
     data_parallel_rank: int
+    # Nodes, from torchrun's environment: ranks on this node (LOCAL_WORLD_SIZE) and this node's
+    # index (GROUP_RANK, the agent's rank in the rendezvous). A plain launch is one node.
+    local_world_size: int = 0  # 0: unknown, taken as world_size (one node)
+    node_rank: int = 0
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on each node (torchrun starts the same number on every node)."""
+        return self.local_world_size or self.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the job: ``world_size // ranks_per_node``."""
+        return max(1, self.world_size // self.ranks_per_node)
 
     def topology(self) -> dict:
         """Sizes only (what a LOCAL checkpoint must match to be loadable)."""
@@ -238,6 +252,8 @@ def current_layout() -> ParallelLayout:
         tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
         pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
         data_parallel_rank=ps.get_data_parallel_rank(),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0),
+        node_rank=int(os.environ.get("GROUP_RANK", "0") or 0),
     )
 
 

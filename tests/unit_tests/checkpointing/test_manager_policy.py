@@ -42,6 +42,9 @@ class FakeTier:
     def claim(self, run_id):
         self.journal.append(("claim", self.tier.value, run_id))
 
+    def prepare_resume(self, run_id):
+        self.journal.append(("prepare_resume", self.tier.value, run_id))
+
     def candidates(self, run_id):
         return []
 

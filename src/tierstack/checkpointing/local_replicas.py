@@ -1,0 +1,195 @@
+"""The LOCAL tier's replicas on disk, and the two collective steps that use them.
+
+Layout under ``checkpoint.local_dir`` (beside the rank folders)::
+
+    replicas/<owner>/iter_0000020_<owner>_local.pt              the owner's file, byte for byte
+    replicas/<owner>/iter_0000020_<owner>_local.manifest.json   the owner's manifest
+
+- :func:`replicate_step` (in the LOCAL tier's finalize, once every rank wrote the step): each rank
+  sends its file to its clique (:class:`~tierstack.checkpointing.replication.Replicator`), checks
+  every received copy against its owner's CRC-32C and writes it; the step is sealed only when every
+  rank stored every replica.
+- :func:`retrieve_for_resume` (before resume selection): the ranks gather what each holds, agree on
+  the newest step that *every* rank can obtain (its own file, or a copy on a member of its clique),
+  and the ranks missing their file of that step receive it from a member that holds it. A received
+  copy is checked like a local file; a damaged one is not used (the log says so) and selection then
+  falls back to an older step or to GLOBAL. Nothing is cached between calls: every (re)start looks
+  at the disk afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tierstack.checkpointing import local_file, manifest, paths, retention
+from tierstack.checkpointing.replication import REPLICAS_DIR, FileReplica, Replicator, clique_groups
+from tierstack.checkpointing.replication import parse_replica_id, replica_id
+from tierstack.runtime import collectives as _dist
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaStore:
+    """Files of one LOCAL root: this rank's own folder and the replicas it keeps for its clique.
+
+    Args:
+        root: ``checkpoint.local_dir``.
+        rank: this global rank.
+    """
+
+    def __init__(self, root: Path, rank: int):
+        self.root, self.rank = Path(root), rank
+
+    def folder(self, owner: int) -> Path:
+        """Where ``owner``'s files are on this node: its own rank folder, or ``replicas/<owner>``."""
+        return self.root / str(owner) if owner == self.rank else self.root / REPLICAS_DIR / str(owner)
+
+    def paths(self, step: int, owner: int) -> tuple[Path, Path]:
+        d = self.folder(owner)
+        return d / paths.local_file_name(step, owner), d / paths.local_manifest_name(step, owner)
+
+    def holdings(self, run_id: str) -> list[str]:
+        """Ids (``"<step>:<owner>"``) of the files this rank holds, own and replicas, of ``run_id``
+        with a well-formed manifest and a file of the recorded size (the checksum is checked by
+        whoever uses the bytes)."""
+        owners = [self.rank]
+        rep = self.root / REPLICAS_DIR
+        if rep.is_dir():
+            owners += [int(p.name) for p in rep.iterdir() if p.is_dir() and p.name.isdigit()]
+        out = []
+        for owner in owners:
+            folder = self.folder(owner)
+            if not folder.is_dir():
+                continue
+            for p in folder.iterdir():
+                parsed = paths.parse_local_file(p.name)
+                if parsed is None or parsed[1] != owner:
+                    continue
+                man = paths.read_json(self.paths(parsed[0], owner)[1])
+                if manifest.check_manifest(man, step=parsed[0]) is not None or man.get("run_id") != run_id:
+                    continue
+                (name, entry), = man["files"].items()
+                if p.stat().st_size == int(entry["size"]):
+                    out.append(replica_id(parsed[0], owner))
+        return out
+
+    def load(self, id_: str) -> FileReplica:
+        """The file and manifest of ``id_`` as this rank holds them (unchecked: the receiver checks;
+        an unreadable file goes out as zero bytes, which the receiver refuses)."""
+        step, owner = parse_replica_id(id_)
+        ckpt, man_path = self.paths(step, owner)
+        man = paths.read_json(man_path) or {}
+        try:
+            data = torch.frombuffer(bytearray(ckpt.read_bytes()), dtype=torch.uint8)
+        except OSError as e:
+            log.error("LOCAL file %s cannot be read to send it (%s)", ckpt, e)
+            data = torch.empty(0, dtype=torch.uint8)
+        return FileReplica(owner, step, man, data)
+
+    def store(self, replica: FileReplica) -> None:
+        """Check ``replica``'s bytes against its manifest, then write file and manifest durably.
+
+        Raises:
+            LocalFileError: damaged (size or checksum); nothing is written.
+        """
+        ckpt, man_path = self.paths(replica.step, replica.owner)
+        (name, entry), = replica.manifest["files"].items()
+        local_file.check_bytes(replica.data, entry, name)
+        man_path.unlink(missing_ok=True)  # the manifest goes last: a file without one is no candidate
+        local_file.write_raw(ckpt, replica.data)
+        manifest.write_manifest(man_path, replica.manifest)
+
+    def remove_replicas(self, step: int, owners) -> None:
+        for owner in owners:
+            if owner != self.rank:
+                for p in self.paths(step, owner):
+                    p.unlink(missing_ok=True)
+
+    def prune(self, owners, run_id: str, step: int, k: int) -> None:
+        """Retention of the replicas kept for ``owners`` (most_recent_k, as for own files)."""
+        for owner in owners:
+            if owner != self.rank and self.folder(owner).is_dir():
+                retention.prune_local(self.folder(owner), owner, run_id, step, k)
+
+
+def replicate_step(replicator: Replicator, store: ReplicaStore, step: int, run_id: str, k: int) -> bool:
+    """Collective: replicate this rank's (written, not yet sealed) file of ``step`` to its clique.
+
+    Returns:
+        True when every replica of the step is stored on every rank (the step may be sealed); on
+        False every rank has removed the replicas of the step it wrote.
+    """
+    ok = True
+    ckpt, man_path = store.paths(step, store.rank)
+    man = paths.read_json(man_path)
+    try:
+        (name, entry), = man["files"].items()
+        data = local_file.read_verified(ckpt, entry)
+    except (OSError, TypeError, KeyError, local_file.LocalFileError) as e:
+        log.error("LOCAL step %d: this rank's file cannot be read back to replicate it (%s)", step, e)
+        ok, man, data = False, man or {}, torch.empty(0, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    received = replicator.replicate(step, man, data)  # every rank takes part, even with nothing to send
+    for replica in received:
+        try:
+            store.store(replica)
+        except (OSError, KeyError, ValueError) as e:  # LocalFileError is a ValueError
+            log.error("LOCAL step %d: replica of rank %d not stored (%s)", step, replica.owner, e)
+            ok = False
+    if not _dist.all_true(ok):
+        store.remove_replicas(step, replicator.clique)
+        return False
+    store.prune(replicator.clique, run_id, step, k)
+    if _dist.rank() == 0:
+        log.info("LOCAL checkpoint of step %d replicated (factor %d, cliques of ranks %s apart) in %.2fs",
+                 step, replicator.factor, replicator.jump, time.perf_counter() - t0)
+    return True
+
+
+def _newest_obtainable(held: list[list[str]], cliques: list[list[int]]) -> Optional[int]:
+    """Newest step whose file of every rank is held by some member of that rank's clique."""
+    world = len(held)
+    clique_of = {r: g for g in cliques for r in g}
+    steps = None
+    for r in range(world):
+        mine = {parse_replica_id(i)[0] for m in clique_of[r] for i in held[m] if parse_replica_id(i)[1] == r}
+        steps = mine if steps is None else steps & mine
+    return max(steps) if steps else None
+
+
+def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str) -> Optional[int]:
+    """Collective: make the newest step that every rank can obtain present in every rank's folder.
+
+    Returns:
+        That step, or None when no step can be obtained by every rank (then nothing is fetched).
+    """
+    held = _dist.all_gather_object(store.holdings(run_id))
+    step = _newest_obtainable(held, clique_groups(replicator.world_size, replicator.factor, replicator.jump))
+    if step is None:
+        return None
+    missing = [r for r in range(len(held)) if replica_id(step, r) not in held[r]]
+    if not missing:
+        return step
+    me = store.rank
+    wanted = [replica_id(step, me)] if me in missing else []
+    if _dist.rank() == 0:
+        log.warning("resume: LOCAL step %d is missing on rank(s) %s; retrieving it from their replicas", step, missing)
+    t0 = time.perf_counter()
+    got = replicator.retrieve(dict(enumerate(held)), wanted, store.load)
+    seconds = time.perf_counter() - t0
+    for id_, (replica, sender) in got.items():
+        try:
+            store.store(replica)
+        except (OSError, KeyError, ValueError) as e:
+            log.error("resume: LOCAL step %d of rank %d retrieved from rank %d is damaged (%s): not used; resume "
+                      "falls back to an older checkpoint (GLOBAL if no LOCAL step is complete)", step, me, sender, e)
+            continue
+        log.warning("resume: LOCAL step %d of rank %d retrieved from rank %d: %d bytes in %.2fs (checksum verified)",
+                    step, me, sender, replica.data.numel(), seconds)
+    _dist.barrier()
+    return step

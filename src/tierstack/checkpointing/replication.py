@@ -1,0 +1,195 @@
+"""LOCAL replicas on other nodes: nvidia-resiliency-ext's clique replication, moving our files.
+
+With ``checkpoint.replication_factor`` F > 1 and ``checkpoint.replication_jump`` J (default: the
+ranks per node), the ranks form NVRx cliques ``n, n+J, ..., n+(F-1)J``
+(``CliqueReplicationStrategy.from_replication_params``, groups from ``parse_group_sequence``); each
+rank keeps the LOCAL file of every other member of its clique under
+``<local_dir>/replicas/<owner rank>/`` (same names as the owner's: ``iter_N_<owner>_local.pt`` and
+its manifest). With J = ranks per node, the members are on F different nodes.
+
+What NVRx moves: its strategy exchanges ``TensorAwareStateDict`` objects (hollow part pickled, tensors
+broadcast / sent). Our LOCAL file is our own format (:mod:`local_file`), so :class:`FileReplica`
+is a ``TensorAwareStateDict`` whose hollow part is the owner's manifest and whose one tensor is the
+file's bytes. The bytes travel as written, so the owner's CRC-32C in the manifest checks every
+replica and every retrieved copy end to end (a damaged copy is refused, never loaded).
+
+- :meth:`Replicator.replicate`: ``CliqueReplicationStrategy.replicate`` (all-gather of manifests,
+  broadcast of each member's bytes within the clique).
+- :meth:`Replicator.retrieve`: ``retrieve_plan`` (which member sends a wanted file) and
+  ``retrieve_execute`` (point-to-point send/receive).
+
+On CPU the groups are gloo; NVRx's ``retrieve_execute`` moves every tensor with ``.cuda()`` before
+sending, which the CPU compatibility layer (:mod:`tierstack.runtime.cpu_compat`) maps to the host.
+On GPU the groups are NCCL and the bytes are staged on the device for the exchange (NCCL moves
+device memory only): one file's size of device memory while a step is replicated or retrieved.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+REPLICAS_DIR = "replicas"
+
+
+def _tasd_base():
+    from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
+
+    return TensorAwareStateDict
+
+
+class FileReplica(_tasd_base()):
+    """One rank's LOCAL checkpoint of one step, as NVRx's replication moves it.
+
+    Attributes:
+        owner: the global rank whose state the file holds.
+        step: the iteration.
+        manifest: the owner's manifest (files, sizes, CRC-32C, TrainState, run id); the hollow part.
+        data: the file's bytes, a 1-D ``torch.uint8`` tensor (host, or the device on GPU); None when hollow.
+    """
+
+    def __init__(self, owner: int, step: int, manifest: dict, data: Optional[torch.Tensor]):
+        self.owner, self.step, self.manifest = owner, step, manifest
+        self.data = data
+        self.nbytes = 0 if data is None else int(data.numel())
+        self.device = "cpu" if data is None else data.device.type
+
+    @property
+    def id(self) -> str:
+        return replica_id(self.step, self.owner)
+
+    def pop_tensors(self) -> list[torch.Tensor]:
+        if self.data is None:
+            raise RuntimeError(f"LOCAL replica {self.id} is hollow already")
+        data, self.data = self.data, None
+        return [data]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.data is None else [self.data]
+
+    @property
+    def is_hollow(self) -> bool:
+        return self.data is None
+
+    def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
+        (self.data,) = list(tensor_data)
+
+    def init_tensors(self) -> None:
+        from tierstack import runtime
+
+        device = runtime.device() if self.device == "cuda" else torch.device("cpu")
+        self.data = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def copy_tensors_to_cpu(self, non_blocking: bool = False) -> None:
+        if self.data is not None:
+            self.data = self.data.to("cpu", non_blocking=non_blocking)
+
+    def restore_tensor_device(self, non_blocking: bool = True) -> None:
+        """Nothing to restore: the bytes are read where they are (host) after every exchange."""
+
+    def host_bytes(self) -> torch.Tensor:
+        """The file's bytes on the host (a copy only when they were staged on a device)."""
+        return self.data if self.data.device.type == "cpu" else self.data.cpu()
+
+
+def replica_id(step: int, owner: int) -> str:
+    """The NVRx id of ``owner``'s LOCAL file of ``step``."""
+    return f"{step}:{owner}"
+
+
+def parse_replica_id(id_: str) -> tuple[int, int]:
+    step, owner = id_.split(":")
+    return int(step), int(owner)
+
+
+def clique_groups(world_size: int, factor: int, jump: int) -> list[list[int]]:
+    """The replication cliques (NVRx ``parse_group_sequence``): ranks ``n, n+J, ..., n+(F-1)J``."""
+    from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import parse_group_sequence
+
+    return [list(g) for g in parse_group_sequence(jump, factor, world_size)]
+
+
+class Replicator:
+    """This rank's side of LOCAL replication (see the module docstring). Every method that talks is
+    collective over the whole job (every rank calls it, in the same order).
+
+    Args:
+        factor: ``checkpoint.replication_factor`` (> 1).
+        jump: ``checkpoint.replication_jump`` (ranks between the members of a clique).
+        rank / world_size: this rank and the job's size.
+    """
+
+    def __init__(self, factor: int, jump: int, rank: int, world_size: int):
+        self.factor, self.jump, self.rank, self.world_size = factor, jump, rank, world_size
+        self.clique = next(g for g in clique_groups(world_size, factor, jump) if rank in g)
+        self._strategy = None
+
+    @property
+    def strategy(self):
+        """NVRx ``CliqueReplicationStrategy`` (its process groups are created on first use: collective)."""
+        if self._strategy is None:
+            from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+            self._strategy = CliqueReplicationStrategy.from_replication_params(self.jump, self.factor)
+        return self._strategy
+
+    @staticmethod
+    def _staged(data: torch.Tensor) -> torch.Tensor:
+        from tierstack import runtime
+
+        return data if not runtime.has_gpu() else data.to(runtime.device())
+
+    def replicate(self, step: int, manifest: dict, data: torch.Tensor) -> list[FileReplica]:
+        """Collective: send this rank's file of ``step`` to its clique and receive the others'.
+
+        Args:
+            manifest: this rank's manifest of the step.
+            data: the file's bytes (1-D uint8, host).
+
+        Returns:
+            The other members' files (owner, step, manifest, bytes), bytes on the host.
+        """
+        mine = FileReplica(self.rank, step, manifest, self._staged(data))
+        theirs, _ids = self.strategy.replicate(mine, mine.id)
+        out = []
+        for r in theirs:
+            if r.owner != self.rank:
+                r.data = r.host_bytes()
+                out.append(r)
+        return out
+
+    def retrieve(self, available: dict[int, list[str]], wanted: Sequence[str],
+                 load: Callable[[str], FileReplica]) -> dict[str, tuple[FileReplica, int]]:
+        """Collective: fetch ``wanted`` ids from clique members that hold them.
+
+        Args:
+            available: global rank -> ids it holds (own files and replicas), for every rank of the job.
+            wanted: ids this rank must obtain (empty when it holds what it needs).
+            load: reads one id this rank holds (called for what the plan makes it send).
+
+        Returns:
+            id -> (the file, the rank that sent it), bytes on the host.
+
+        Raises:
+            NoReplicasAvailableError (NVRx): a wanted id is held by no member of the clique.
+        """
+        strategy = self.strategy
+        plan = strategy.retrieve_plan(available, list(wanted))
+        my_data = {}
+        for id_ in plan.required_ids():
+            replica = load(id_)
+            replica.data = self._staged(replica.data)
+            my_data[id_] = replica
+        received = strategy.retrieve_execute(plan, my_data)
+        senders = {e.id_: e.sender for e in plan.entries if e.receiver == self.rank}
+        out = {}
+        for id_, replica in received.items():
+            if id_ in wanted:
+                replica.data = replica.host_bytes()
+                out[id_] = (replica, senders.get(id_, self.rank))
+        return out
