@@ -99,3 +99,26 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
         full_env.update(env)
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), *map(str, args)]
     return run_group(cmd, timeout=timeout, cwd=cwd or REPO, env=full_env)
+
+
+LAUNCH_NODES = REPO / "scripts" / "launch_nodes.sh"
+
+
+def run_nodes(args, *, nodes: int = 2, nproc: int = 1, max_restarts: int = 0, timeout: float = 300,
+              env=None) -> subprocess.CompletedProcess:
+    """Run ``scripts/launch_nodes.sh --max-restarts R NODES NPROC <args...>``: one torchrun agent per
+    simulated node, c10d rendezvous on 127.0.0.1 (the script picks the port), each node with its own
+    ``checkpoint.local_dir`` under ``<logger.run_dir>/node<i>/local`` (give ``logger.run_dir=`` in ``args``).
+
+    Same environment and timeout handling as :func:`run_torchrun` (the whole process group, every
+    agent and rank, is killed on timeout).
+    """
+    full_env = dict(os.environ)
+    full_env.update(device_env(nodes * nproc))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env["PYTHON"] = sys.executable
+    if env:
+        full_env.update(env)
+    cmd = ["bash", str(LAUNCH_NODES), "--max-restarts", str(max_restarts), str(nodes), str(nproc), *map(str, args)]
+    return run_group(cmd, timeout=timeout, cwd=REPO, env=full_env)

@@ -1,0 +1,79 @@
+"""One rank of a multi-node scenario, launched by ``scripts/launch_nodes.sh`` (see launcher.run_nodes).
+
+Usage: nodes_worker.py OUT_DIR [section.field=value ...]
+
+Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, mock data) and
+appends one line per step to ``OUT_DIR/losses_rank<r>.jsonl``: the launch label
+(``$TIERSTACK_TEST_LAUNCH``), torchrun's restart count, the step and its loss as float hex
+(bit-identical comparisons), written as each step ends, so a killed run leaves its record.
+
+Fault: with ``TIERSTACK_TEST_KILL_AT=<step>`` and ``TIERSTACK_TEST_KILL_NODE=<group rank>``, the
+ranks of that node SIGKILL themselves after that step, in the first start of the launch only
+(torchrun's ``TORCHELASTIC_RESTART_COUNT`` 0), and print the node's ``checkpoint.local_dir`` first.
+Before that, every rank waits for the checkpoint saves in flight (``CheckpointManager.wait``, a
+collective): the node dies after the LOCAL save before it is sealed on every rank, whatever the speed
+of this machine (on a fast one, a save's agreement can come a few steps after it started).
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def tiny_config(overrides):
+    from tierstack.config import ConfigContainer
+
+    cfg = ConfigContainer()
+    cfg.apply_overrides([
+        "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+        "model.transformer_impl=local", "train.micro_batch_size=2", "train.global_batch_size=4",
+        "train.eval_interval=null", "dataset.mock=true", "scheduler.lr_warmup_iters=2",
+        "scheduler.lr_decay_iters=30", "logger.log_interval=100", "logger.progress_bar=false",
+        "checkpoint.retry_backoff_s=0.1", "straggler=null", "mlflow=null",
+    ])
+    cfg.apply_overrides(overrides)
+    return cfg
+
+
+def main() -> None:
+    from tierstack import pretrain
+
+    out = Path(sys.argv[1])
+    cfg = tiny_config(sys.argv[2:])
+    rank, node = int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    launch = os.environ.get("TIERSTACK_TEST_LAUNCH", "")
+    kill_at = int(os.environ.get("TIERSTACK_TEST_KILL_AT", "0"))
+    kill_node = int(os.environ.get("TIERSTACK_TEST_KILL_NODE", "-1"))
+    record = open(out / f"losses_rank{rank}.jsonl", "a")
+    managers = []
+    from tierstack.checkpointing import manager as manager_module
+
+    init = manager_module.CheckpointManager.__init__
+
+    def capture(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        managers.append(self)
+
+    manager_module.CheckpointManager.__init__ = capture
+
+    def on_step(ts, result):
+        record.write(json.dumps({"launch": launch, "restart": restart, "step": ts.step,
+                                 "loss": float(result.loss).hex()}) + "\n")
+        record.flush()
+        if ts.step == kill_at and restart == 0:
+            managers[-1].wait()  # collective: every rank
+        if ts.step == kill_at and node == kill_node and restart == 0:
+            print(f"KILLING node {node} rank {rank} after step {ts.step}; local_dir={cfg.checkpoint.local_dir}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    state = pretrain(cfg, on_step=on_step)
+    if rank == 0:
+        print(f"FINAL step={state.step} resumed_from={state.resumed_from}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

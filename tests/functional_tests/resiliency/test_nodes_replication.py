@@ -1,0 +1,69 @@
+"""Two simulated nodes x 1 rank (scripts/launch_nodes.sh): lose node 1 and its node-local disk.
+
+With ``checkpoint.replication_factor=2`` the relaunch retrieves rank 1's LOCAL step 10 from the
+replica on node 0 and goes on bit for bit; without replicas the same loss cannot resume from LOCAL:
+the error names the rank that misses step 10, and no good file on the surviving node is renamed.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from launcher import run_nodes
+
+WORKER = Path(__file__).with_name("nodes_worker.py")
+COMMON = ["train.train_iters=14", "checkpoint.local_save_interval=5"]  # GLOBAL only at the end
+
+
+def _launch(out: Path, label: str, *overrides: str, env=None):
+    proc = run_nodes([WORKER, out, f"logger.run_dir={out}/run", f"checkpoint.save={out}/run/global", *COMMON,
+                      *overrides], timeout=240, env={"TIERSTACK_TEST_LAUNCH": label, **(env or {})})
+    return proc, proc.stdout + proc.stderr
+
+
+def _losses(out: Path, rank: int, label: str) -> dict[int, str]:
+    lines = [json.loads(x) for x in (out / f"losses_rank{rank}.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if r["launch"] == label}
+
+
+@pytest.mark.slow
+def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_miss_the_step(tmp_path):
+    straight, lost = tmp_path / "straight", tmp_path / "lost"
+    straight.mkdir(), lost.mkdir()
+    proc, log = _launch(straight, "straight", "checkpoint.replication_factor=2")
+    assert proc.returncode == 0, log[-5000:]
+
+    proc, log = _launch(lost, "killed", "checkpoint.replication_factor=2",
+                        env={"TIERSTACK_TEST_KILL_AT": "12", "TIERSTACK_TEST_KILL_NODE": "1"})
+    assert proc.returncode != 0, log[-5000:]
+    assert "LOCAL checkpoint of step 10 replicated" in log and "LOCAL checkpoint of step 10 sealed on every rank" in log
+    node_dir = Path(re.search(r"KILLING node 1 rank 1 after step 12; local_dir=(\S+)", log).group(1)).parent
+    unreplicated = tmp_path / "unreplicated"
+    shutil.copytree(lost, unreplicated)  # the same loss, for the case without replicas below
+    shutil.rmtree(node_dir)  # the node is replaced: its node-local disk is empty
+
+    proc, log = _launch(lost, "resumed", "checkpoint.replication_factor=2")
+    assert proc.returncode == 0, log[-5000:]
+    assert "LOCAL step 10 of rank 1 retrieved from rank 0:" in log and "(checksum verified)" in log
+    assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=14 resumed_from=[10]" in log
+    for rank in (0, 1):
+        expected = {s: v for s, v in _losses(straight, rank, "straight").items() if s > 10}
+        assert _losses(lost, rank, "resumed") == expected  # float hex: bit for bit
+        assert sorted(expected) == [11, 12, 13, 14]
+
+    # Without replication: no copy of rank 1's files anywhere.
+    run = unreplicated / "run"
+    shutil.rmtree(run / node_dir.relative_to(lost / "run"))
+    for replicas in run.glob("node*/local/replicas"):
+        shutil.rmtree(replicas)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and "local" in p.parts)
+    proc, log = _launch(unreplicated, "unreplicated")
+    assert proc.returncode != 0
+    assert "local step 10: missing on rank(s) [1]" in log and "local step 5: missing on rank(s) [1]" in log
+    assert "checkpoint.allow_fresh_start_on_invalid=true" in log
+    after = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and "local" in p.parts)
+    assert after == before and not any(".invalid-" in p for p in after)  # no good file renamed
+    assert any(p.endswith("iter_0000010_0_local.pt") for p in after)

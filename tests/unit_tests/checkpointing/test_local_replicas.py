@@ -1,0 +1,115 @@
+"""LOCAL replicas and missing steps, single process: config rules, which step every rank can obtain,
+replica files checked end to end, missing steps skipped (not quarantined), the quarantine budget."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from tierstack.checkpointing import local_file, local_replicas, manifest, paths, retention, selection
+from tierstack.checkpointing.local_tier import LocalTier
+from tierstack.checkpointing.replication import FileReplica, clique_groups, replica_id
+from tierstack.config import CheckpointConfig, ConfigContainer, ConfigError
+from tierstack.runtime import ParallelLayout
+from tierstack.runtime import collectives
+
+LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
+                        pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,
+                        pipeline_model_parallel_rank=0, data_parallel_rank=0)
+
+
+def _config(**checkpoint) -> ConfigContainer:
+    cfg = ConfigContainer()
+    cfg.checkpoint = CheckpointConfig(local_dir="/tmp/x", **checkpoint)
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 8
+    cfg.distributed.tensor_model_parallel_size = 1
+    return cfg
+
+
+def test_replication_is_checked_against_nodes_and_world_size_naming_the_field():
+    _config(replication_factor=2).validate(world_size=4, ranks_per_node=2)  # 2 nodes: fine
+    with pytest.raises(ConfigError) as err:
+        _config(replication_factor=3).validate(world_size=4, ranks_per_node=2)
+    assert "checkpoint.replication_factor=3 is larger than the number of nodes (2" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        _config(replication_factor=2, replication_jump=3).validate(world_size=4, ranks_per_node=2)
+    assert "checkpoint.replication_jump=3 does not fit: world size 4" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        _config(replication_factor=2).validate(world_size=2, ranks_per_node=2)  # one node
+    assert "checkpoint.replication_factor=2 is larger than the number of nodes (1" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        ConfigContainer(checkpoint=CheckpointConfig(replication_factor=2)).validate(world_size=2, ranks_per_node=1)
+    assert "set checkpoint.local_dir" in str(err.value)
+
+
+def test_cliques_are_nvrx_groups_across_nodes():
+    # 4 ranks, 2 per node: rank n keeps the files of rank n + 2 (the same local rank on the other node)
+    assert clique_groups(4, 2, 2) == [[0, 2], [1, 3]]
+
+
+def test_the_newest_step_every_rank_can_obtain():
+    cliques = [[0, 1]]
+    held = [[replica_id(s, o) for s in (5, 10) for o in (0, 1)], []]  # node 1 replaced: holds nothing
+    assert local_replicas._newest_obtainable(held, cliques) == 10
+    held = [[replica_id(10, 0), replica_id(5, 0), replica_id(5, 1)], []]  # rank 1's step 10 never replicated
+    assert local_replicas._newest_obtainable(held, cliques) == 5
+    assert local_replicas._newest_obtainable([[replica_id(10, 0)], []], cliques) is None
+
+
+def _write_own(root, step, rank=0, run_id="runA", payload=b"local-bytes" * 100):
+    store = local_replicas.ReplicaStore(root, rank)
+    ckpt, man_path = store.paths(step, rank)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    local_file.write_raw(ckpt, data)
+    man = manifest.build_manifest(tier="local", step=step, run_id=run_id, topology=LAYOUT.topology(),
+                                  train_state={"step": step}, files=manifest.describe_files(ckpt.parent, [ckpt.name]))
+    manifest.write_manifest(man_path, man)
+    return store, man, data
+
+
+def test_a_replica_is_stored_only_when_its_owners_checksum_matches(tmp_path):
+    _, man, data = _write_own(tmp_path / "node1", 10, rank=1)
+    store = local_replicas.ReplicaStore(tmp_path / "node0", 0)
+    damaged = data.clone()
+    damaged[7] ^= 1
+    with pytest.raises(local_file.LocalFileError, match="checksum-mismatch"):
+        store.store(FileReplica(1, 10, man, damaged))
+    assert not store.folder(1).exists() or not any(store.folder(1).iterdir())
+    store.store(FileReplica(1, 10, man, data))
+    assert store.holdings("runA") == [replica_id(10, 1)]
+    assert store.paths(10, 1)[0].read_bytes() == bytes(data.numpy())
+    assert store.holdings("runB") == []  # another run's files are not offered
+    sent = store.load(replica_id(10, 1))
+    assert sent.manifest == man and torch.equal(sent.data, data)
+    hollow = sent.pop_tensors()
+    assert sent.is_hollow and sent.nbytes == data.numel()
+    sent.init_tensors()
+    assert sent.tensors[0].shape == data.shape and sent.tensors[0].dtype == torch.uint8
+
+
+def test_a_step_missing_on_a_rank_is_skipped_and_the_files_of_the_others_stay(tmp_path, monkeypatch):
+    """Rank 1 (simulated: its view of the gather) holds nothing; rank 0's good step 10 is not renamed."""
+    _write_own(tmp_path / "local", 10)
+    real = collectives.all_gather_object
+    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: real(obj) + [{} if isinstance(obj, dict) else None])
+    tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local")), LAYOUT)
+    chosen = selection.select([tier], family="runA")
+    assert chosen.handler is None and not chosen.quarantined
+    assert chosen.missing == ["local step 10: missing on rank(s) [1]"]
+    names = sorted(p.name for p in (tmp_path / "local" / "0").iterdir())
+    assert names == [paths.local_manifest_name(10, 0), paths.local_file_name(10, 0)]
+
+
+def test_quarantined_files_beyond_the_budget_are_removed_oldest_first(tmp_path, caplog):
+    for i, name in enumerate(["a.pt.invalid-x", "b.pt.invalid-x", "c.pt.invalid-x", "keep.pt"]):
+        p = tmp_path / name
+        p.write_bytes(b"\0" * 100)
+        os.utime(p, (time.time() - 100 + i, time.time() - 100 + i))
+    with caplog.at_level("WARNING"):
+        removed = retention.prune_quarantined(tmp_path, 250)
+    assert [p.name for p in removed] == ["a.pt.invalid-x"]
+    assert "removing quarantined" in caplog.text and "a.pt.invalid-x" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.pt.invalid-x", "c.pt.invalid-x", "keep.pt"]
+    retention.prune_quarantined(tmp_path, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.pt"]  # never a file that is not quarantined
