@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,28 +56,33 @@ def device_env(nproc: int) -> dict[str, str]:
 
 
 def run_group(cmd, *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """``subprocess.run`` in a new session; on timeout SIGKILL the whole process group, then re-raise.
+    """Run ``cmd`` in a new session; on timeout SIGKILL the whole process group, then re-raise.
+
+    Output goes to temporary files, not pipes: a process that left the group (torchrun starts each
+    rank in a session of its own, and a rank's children stay there when the rank dies) may still
+    hold them open, and a pipe would make this wait for it.
 
     Raises:
         subprocess.TimeoutExpired: after ``timeout`` seconds, once every process of the group is killed.
     """
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                          start_new_session=True) as proc:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=cwd, env=env, start_new_session=True)
+        expired = False
         try:
-            out, err = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+            expired = True
         finally:
-            try:  # ranks or writers that outlived a torchrun that returned
+            try:  # the whole group on timeout; ranks or writers that outlived a launcher that returned
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if expired:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:

@@ -120,7 +120,7 @@ class GlobalTier(StagedTier):
             from torch.distributed.checkpoint.metadata import MetadataIndex
 
             try:
-                q = global_writer.start_results_channel()
+                q = global_writer.start_results_channel()  # megatron's queue, in a Manager that ends with this rank
                 q.put(MetadataIndex("tierstack-warmup"))  # makes the server import torch.distributed.checkpoint
                 q.get()
             except (OSError, EOFError) as e:  # the Manager went away (the process is being stopped)

@@ -120,8 +120,13 @@ def discard_results(request) -> None:
 
 
 def _exit_when_orphaned() -> None:
-    """Runs in the Manager's server process: exit once the rank that started it is gone (a rank
-    killed with SIGKILL cannot shut it down, and it would serve forever)."""
+    """Initializer of the results Manager's server process: exit once the rank that started it is
+    gone (SIGKILL, OOM killer), which cannot shut it down; it would serve forever, holding the
+    launcher's output pipes open. A thread polls the parent pid once a second.
+
+    Not ``prctl(PR_SET_PDEATHSIG)``: that signal follows the *thread* that started the process, and
+    the Manager is started by a short-lived warm-up thread.
+    """
     import os
     import threading
 

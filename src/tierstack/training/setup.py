@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 import torch
@@ -131,6 +132,9 @@ def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
 
 
 def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextlib.ExitStack, register) -> SetupOutput:
+    from tierstack.resiliency.restarts import record_start
+
+    record_start(Path(cfg.logger.run_dir))  # job-wide restart count; stops a job past --max-restarts
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
     from tierstack.data.datasets import check_training_data
     from tierstack.data.tokenizers import build_tokenizer

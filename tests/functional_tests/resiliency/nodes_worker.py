@@ -5,11 +5,12 @@ Usage: nodes_worker.py OUT_DIR [section.field=value ...]
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, mock data) and
 appends one line per step to ``OUT_DIR/losses_rank<r>.jsonl``: the launch label
 (``$TIERSTACK_TEST_LAUNCH``), torchrun's restart count, the step and its loss as float hex
-(bit-identical comparisons), written as each step ends, so a killed run leaves its record.
+(bit-identical comparisons), written as each step ends, so a killed run leaves its record. The
+restart count is the job-wide one of ``<logger.run_dir>/restarts.json`` (the same on every rank).
 
 Fault: with ``TIERSTACK_TEST_KILL_AT=<step>`` and ``TIERSTACK_TEST_KILL_NODE=<group rank>``, the
 ranks of that node SIGKILL themselves after that step, in the first start of the launch only
-(torchrun's ``TORCHELASTIC_RESTART_COUNT`` 0), and print the node's ``checkpoint.local_dir`` first.
+(job-wide restart count 0), and print the node's ``checkpoint.local_dir`` first.
 Before that, every rank waits for the checkpoint saves in flight (``CheckpointManager.wait``, a
 collective): the node dies after the LOCAL save before it is sealed on every rank, whatever the speed
 of this machine (on a fast one, a save's agreement can come a few steps after it started).
@@ -43,7 +44,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     cfg = tiny_config(sys.argv[2:])
     rank, node = int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts_file = Path(cfg.logger.run_dir) / "restarts.json"
     launch = os.environ.get("TIERSTACK_TEST_LAUNCH", "")
     kill_at = int(os.environ.get("TIERSTACK_TEST_KILL_AT", "0"))
     kill_node = int(os.environ.get("TIERSTACK_TEST_KILL_NODE", "-1"))
@@ -60,6 +61,7 @@ def main() -> None:
     manager_module.CheckpointManager.__init__ = capture
 
     def on_step(ts, result):
+        restart = json.loads(restarts_file.read_text())["restarts"] if restarts_file.exists() else 0
         record.write(json.dumps({"launch": launch, "restart": restart, "step": ts.step,
                                  "loss": float(result.loss).hex()}) + "\n")
         record.flush()

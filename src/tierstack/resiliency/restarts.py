@@ -1,0 +1,65 @@
+"""A job-wide restart count, kept in the run directory.
+
+``torchrun --max-restarts N`` is counted by each agent (one per node) for the failures of its own
+workers: a job whose failures land on different nodes restarts up to N times per node, and the
+healthy agents restart their workers without counting at all (torch.distributed.elastic restarts
+them when another node rejoins the rendezvous). This module counts the starts of the worker group
+for the whole job: every start of the ranks under one rendezvous id (``TORCHELASTIC_RUN_ID``, the
+``--rdzv-id``) after the first is a restart; ``<run_dir>/restarts.json`` keeps the count and the
+history, and a start beyond ``TORCHELASTIC_MAX_RESTARTS`` stops before any work with an error that
+says so (the agents may still try to start the ranks again; each such start stops at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from tierstack.checkpointing import paths
+from tierstack.errors import BadInputError
+from tierstack.runtime import collectives as _dist
+
+log = logging.getLogger(__name__)
+
+RESTARTS_FILE = "restarts.json"
+
+
+class RestartLimitError(BadInputError):
+    """The job restarted more often than ``--max-restarts`` allows, counted job-wide."""
+
+
+def record_start(run_dir: Path) -> Optional[dict]:
+    """Collective: count this start of the ranks in ``<run_dir>/restarts.json`` (written by rank 0).
+
+    Returns:
+        The record ``{"rdzv_id", "restarts", "max_restarts", "starts": [{"unix", "world_size"}]}``
+        (the same on every rank), or None outside torchrun (no rendezvous id: nothing to count).
+
+    Raises:
+        RestartLimitError: ``restarts`` exceeds torchrun's ``--max-restarts`` (every rank alike).
+    """
+    rdzv_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rdzv_id is None:
+        return None
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    record = None
+    if _dist.rank() == 0:
+        path = Path(run_dir) / RESTARTS_FILE
+        old = paths.read_json(path)
+        same = old is not None and old.get("rdzv_id") == rdzv_id
+        starts = (list(old.get("starts", [])) if same else []) + [{"unix": time.time(), "world_size": _dist.world_size()}]
+        record = {"rdzv_id": rdzv_id, "restarts": len(starts) - 1, "max_restarts": max_restarts, "starts": starts}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        paths.atomic_write_json(path, record)
+    record = _dist.broadcast_object(record)
+    n = record["restarts"]
+    if n > max_restarts:
+        raise RestartLimitError(
+            f"the job has restarted {n} times, more than --max-restarts={max_restarts} (counted for the whole job "
+            f"in {Path(run_dir) / RESTARTS_FILE}; torchrun counts per node): stopping; look at the first failure")
+    if n and _dist.rank() == 0:
+        log.warning("restart %d of at most %d (job-wide count in %s)", n, max_restarts, Path(run_dir) / RESTARTS_FILE)
+    return record
