@@ -62,6 +62,11 @@ LOCAL_ROOT="${LOCAL_ROOT:-$RUN_DIR}"
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 RDZV_ID="tierstack-$$-$PORT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# A fresh TCPStore per rendezvous round. torchrun (2.13) shares one store across rounds by default
+# and the ranks' process-group keys are not prefixed per attempt: after a restart, a rank can read
+# the address its peer had before the restart and fail with "Gloo connectFullMesh failed ...
+# Connection refused" (seen here whenever the restart of the two agents is not simultaneous).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }

@@ -85,7 +85,8 @@ def run_group(cmd, *, timeout: float, cwd=None, env=None) -> subprocess.Complete
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=None, launcher: str = "torchrun",
+                 launcher_args=()) -> subprocess.CompletedProcess:
     """Run ``torchrun --standalone --nproc-per-node <nproc> <args...>``; returns the completed process.
 
     Args:
@@ -96,6 +97,9 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
         cwd: working directory (default: the repository root).
         env: extra environment variables (``OMP_NUM_THREADS=1`` unless given; the suite's device
             variables, see :func:`device_env`).
+        launcher: ``torchrun``, or ``ft_launcher`` (nvidia-resiliency-ext fault tolerance: torchrun's
+            arguments plus ``--ft-*``), from the same virtualenv.
+        launcher_args: more launcher options (``--max-restarts``, ``--ft-rank-heartbeat-timeout``, ...).
     """
     full_env = dict(os.environ)
     full_env.update(device_env(nproc))
@@ -103,7 +107,8 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), *map(str, args)]
+    program = TORCHRUN if launcher == "torchrun" else TORCHRUN.with_name(launcher)
+    cmd = [str(program), "--standalone", "--nproc-per-node", str(nproc), *map(str, launcher_args), *map(str, args)]
     return run_group(cmd, timeout=timeout, cwd=cwd or REPO, env=full_env)
 
 

@@ -34,8 +34,10 @@ def pretrain(
         before the process groups go away; a failing closer is logged and never hides that error.
     """
     from tierstack.training.reporting import configure_logging, run_reporters
+    from tierstack.resiliency.heartbeat import Heartbeat
     from tierstack.resiliency.signals import ExitRequest
     from tierstack.training.forward import gpt_forward_step
+    from tierstack.training.closers import register
     from tierstack.training.setup import setup
     from tierstack.training.train import train
 
@@ -44,8 +46,25 @@ def pretrain(
     with contextlib.ExitStack() as closers:
         exit_request = ExitRequest()
         closers.callback(exit_request.restore)
+        heartbeat = Heartbeat.from_environment()  # under NVRx ft_launcher only: a hung rank gets restarted
+        if heartbeat is not None:
+            register(closers, "heartbeat", heartbeat.close)
+            on_step = _beating(heartbeat, on_step)
         s = setup(config, closers=closers)  # registers every resource it starts on `closers`
+        if heartbeat is not None:  # again, to close it first: a long final save is no hang
+            register(closers, "heartbeat", heartbeat.close)
         with run_reporters(s) as (progress, history):
             return train(
                 s, forward_step_func, exit_request=exit_request, history=history, progress=progress, on_step=on_step
             )
+
+
+def _beating(heartbeat, on_step: Optional[Callable]) -> Callable:
+    """``on_step`` preceded by one heartbeat to the rank monitor per iteration."""
+
+    def step_done(train_state, result) -> None:
+        heartbeat.beat()
+        if on_step is not None:
+            on_step(train_state, result)
+
+    return step_done

@@ -11,6 +11,8 @@ restart count is the job-wide one of ``<logger.run_dir>/restarts.json`` (the sam
 Fault: with ``TIERSTACK_TEST_KILL_AT=<step>`` and ``TIERSTACK_TEST_KILL_NODE=<group rank>``, the
 ranks of that node SIGKILL themselves after that step, in the first start of the launch only
 (job-wide restart count 0), and print the node's ``checkpoint.local_dir`` first.
+With ``TIERSTACK_TEST_HANG_AT=<step>`` and ``TIERSTACK_TEST_HANG_RANK=<rank>`` that rank stops
+there instead (sleeps; a hung rank), in the first start only.
 Before that, every rank waits for the checkpoint saves in flight (``CheckpointManager.wait``, a
 collective): the node dies after the LOCAL save before it is sealed on every rank, whatever the speed
 of this machine (on a fast one, a save's agreement can come a few steps after it started).
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -48,6 +51,8 @@ def main() -> None:
     launch = os.environ.get("TIERSTACK_TEST_LAUNCH", "")
     kill_at = int(os.environ.get("TIERSTACK_TEST_KILL_AT", "0"))
     kill_node = int(os.environ.get("TIERSTACK_TEST_KILL_NODE", "-1"))
+    hang_at = int(os.environ.get("TIERSTACK_TEST_HANG_AT", "0"))
+    hang_rank = int(os.environ.get("TIERSTACK_TEST_HANG_RANK", "-1"))
     record = open(out / f"losses_rank{rank}.jsonl", "a")
     managers = []
     from tierstack.checkpointing import manager as manager_module
@@ -65,8 +70,11 @@ def main() -> None:
         record.write(json.dumps({"launch": launch, "restart": restart, "step": ts.step,
                                  "loss": float(result.loss).hex()}) + "\n")
         record.flush()
-        if ts.step == kill_at and restart == 0:
+        if ts.step in (kill_at, hang_at) and restart == 0:
             managers[-1].wait()  # collective: every rank
+        if ts.step == hang_at and rank == hang_rank and restart == 0:
+            print(f"HANGING rank {rank} after step {ts.step}", flush=True)
+            time.sleep(3600)
         if ts.step == kill_at and node == kill_node and restart == 0:
             print(f"KILLING node {node} rank {rank} after step {ts.step}; local_dir={cfg.checkpoint.local_dir}",
                   flush=True)
