@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import compat, preflight, selection
+from tierstack.checkpointing import compat, intervals, preflight, selection
 from tierstack.checkpointing import family as run_family
 from tierstack.checkpointing.global_reader import CheckpointLoadError, GlobalReader
 from tierstack.checkpointing.global_tier import GlobalTier
@@ -88,6 +88,10 @@ class CheckpointManager:
         self._last_saved: dict[CheckpointTier, Optional[int]] = {t: None for t in self._tiers}
         self._preflight: tuple[Optional[int], bool] = (None, False)
         self._closed = False
+        # Tiers whose interval is "auto" (Young/Daly from measured save cost and step time, checkpoint.mtbf_s)
+        self._planners = {t: intervals.IntervalPlanner(t.value.upper(), cfg.mtbf_s)
+                          for t, h in self._tiers.items() if h.interval == intervals.AUTO}
+        self._last_step_end: Optional[float] = None  # perf_counter at the end of the previous maybe_save
         self.events: list[SaveEvent] = []  # published GLOBAL saves of this process (for tests/benchmarks)
 
     def _notify(self, event: SaveEvent) -> None:
@@ -141,6 +145,8 @@ class CheckpointManager:
         objs.train_state.resumed_from = list(objs.train_state.resumed_from) + [chosen.step]
         info = ResumeInfo(chosen.handler.tier, chosen.step, path, time.perf_counter() - t0)
         self._last_saved[chosen.handler.tier] = chosen.step
+        for planner in self._planners.values():  # "auto" intervals count from the resumed step
+            planner.last_save_step = chosen.step
         if _dist.rank() == 0:
             log.info("resumed from %s checkpoint of step %d at %s in %.2fs (run %s)",
                      info.tier.value, info.step, path, info.seconds, objs.train_state.run_id)
@@ -195,31 +201,50 @@ class CheckpointManager:
             handler.finalize(blocking=False)
         self._raise_if_failed()
         step = objs.train_state.step
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            for planner in self._planners.values():
+                planner.record_step(now - self._last_step_end)
         for tier, handler in self._tiers.items():
-            if handler.interval and step > 0 and step % handler.interval == 0:
-                self._save(tier, objs)
+            if self._due(tier, handler, step):
+                blocked = self._save(tier, objs)
+                if tier in self._planners:  # every rank measures its own times: rank 0's estimate is used
+                    planner = self._planners[tier]
+                    planner.adopt(_dist.broadcast_object(planner.record_save(step, blocked)), _dist.rank() == 0)
+        self._last_step_end = time.perf_counter()
 
-    def save(self, tier: CheckpointTier, objs: TrainingObjects) -> None:
+    def _due(self, tier: CheckpointTier, handler: CheckpointTierHandler, step: int) -> bool:
+        if step <= 0 or not handler.interval:
+            return False
+        if tier in self._planners:
+            return self._planners[tier].due(step)
+        return step % handler.interval == 0
+
+    def save(self, tier: CheckpointTier, objs: TrainingObjects) -> Optional[float]:
         """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier;
-        the preflight (all parameters finite) runs once per step, whatever the number of tiers."""
-        with self._bounded():
-            self._save(tier, objs)
+        the preflight (all parameters finite) runs once per step, whatever the number of tiers.
 
-    def _save(self, tier: CheckpointTier, objs: TrainingObjects) -> None:
+        Returns the seconds the loop was blocked (preflight included), or None when nothing was saved."""
+        with self._bounded():
+            return self._save(tier, objs)
+
+    def _save(self, tier: CheckpointTier, objs: TrainingObjects) -> Optional[float]:
         handler = self._tiers[tier]
         step = objs.train_state.step
         if self._closed or not handler.saves or self._last_saved[tier] == step:
-            return
+            return None
+        t0 = time.perf_counter()
         if self._preflight[0] != step:
             self._preflight = (step, preflight.all_finite(objs.model))
         if not self._preflight[1]:
             handler.failures.append(step)
             log.error("%s checkpoint of step %d skipped: non-finite values", tier.value, step)
             self._raise_if_failed()
-            return
-        handler.save(objs, run_id=objs.train_state.run_id)
+            return None
+        blocked = handler.save(objs, run_id=objs.train_state.run_id)
         self._last_saved[tier] = step
         self._raise_if_failed()
+        return None if blocked is None else time.perf_counter() - t0
 
     def final_tier(self) -> Optional[CheckpointTier]:
         """Where the last state of a run goes: the first persistent tier that saves, else the first

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from tierstack.config.base import ConfigError, _at_least, _Section, writable_dir_problem  # noqa: F401 - ConfigError re-exported
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
@@ -205,12 +205,15 @@ class CheckpointConfig(_Section):
     """Two checkpoint tiers. GLOBAL: persistent torch_dist; LOCAL: node-local per-rank (NVRx)."""
 
     save: Optional[str] = None  # GLOBAL checkpoint directory; None = no GLOBAL saves
-    save_interval: Optional[int] = None  # iterations between GLOBAL saves
+    # iterations between GLOBAL saves; "auto": chosen from measurements and mtbf_s (Young/Daly, see
+    # checkpointing/intervals.py), re-estimated after every save and logged
+    save_interval: Optional[Union[int, str]] = None
     load: Optional[str] = None  # GLOBAL directory to resume from; None = same as save
     ckpt_step: Optional[int] = None  # load this exact step instead of the newest
     # LOCAL checkpoint root: node-local disk, or a tmpfs such as /dev/shm/<run> (README says when); None = no LOCAL tier
     local_dir: Optional[str] = None
-    local_save_interval: Optional[int] = None  # iterations between LOCAL saves
+    local_save_interval: Optional[Union[int, str]] = None  # iterations between LOCAL saves, or "auto"
+    mtbf_s: Optional[float] = None  # mean time between unplanned failures of the whole job, seconds (for "auto")
     most_recent_k: int = 2  # checkpoints kept per tier; -1 keeps all
     async_save: bool = False  # GLOBAL saves in a background writer (LOCAL saves always are)
     fully_parallel_save: bool = True  # spread GLOBAL writes over data-parallel ranks
@@ -255,12 +258,21 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.replication_jump must be >= 1 or null (= ranks per node)")
         if self.quarantine_budget_bytes is not None and self.quarantine_budget_bytes < 0:
             p.append("checkpoint.quarantine_budget_bytes must be >= 0 or null")
-        if self.save_interval is not None and self.save_interval < 1:
-            p.append("checkpoint.save_interval must be >= 1 or null")
+        for name in ("save_interval", "local_save_interval"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value != "auto":
+                p.append(f"checkpoint.{name}={value!r}: give a number of iterations, auto, or null")
+            elif value == "auto" and not (self.mtbf_s or 0) > 0:
+                p.append(f"checkpoint.{name}=auto needs checkpoint.mtbf_s (mean time between failures of the "
+                         "job, seconds > 0)")
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            p.append("checkpoint.mtbf_s must be > 0 seconds or null")
+        if isinstance(self.save_interval, int) and self.save_interval < 1:
+            p.append("checkpoint.save_interval must be >= 1, auto or null")
         if self.save_interval is not None and self.save is None:
             p.append("checkpoint.save_interval is set but checkpoint.save (GLOBAL directory) is not")
-        if self.local_save_interval is not None and self.local_save_interval < 1:
-            p.append("checkpoint.local_save_interval must be >= 1 or null")
+        if isinstance(self.local_save_interval, int) and self.local_save_interval < 1:
+            p.append("checkpoint.local_save_interval must be >= 1, auto or null")
         if self.local_save_interval is not None and self.local_dir is None:
             p.append("checkpoint.local_save_interval is set but checkpoint.local_dir is not")
         if self.most_recent_k == 0 or self.most_recent_k < -1:

@@ -16,7 +16,7 @@ def test_a_hung_rank_is_detected_by_heartbeats_and_the_job_resumes_from_local(tm
     run = tmp_path / "run"
     proc = run_torchrun(
         [WORKER, tmp_path, f"logger.run_dir={run}", "train.train_iters=16", "checkpoint.local_save_interval=5",
-         f"checkpoint.save={run}/global", "distributed.tensor_model_parallel_size=1"],
+         f"checkpoint.save={run}/global", f"checkpoint.local_dir={run}/local"],
         launcher="ft_launcher", timeout=300,
         launcher_args=["--max-restarts", "1", "--ft-initial-rank-heartbeat-timeout", "120",
                        "--ft-rank-heartbeat-timeout", "15", "--monitor-interval", "1"],
