@@ -12,8 +12,8 @@ Layout under ``checkpoint.local_dir`` (beside the rank folders)::
 - :func:`retrieve_for_resume` (before resume selection): the ranks gather what each holds, agree on
   the newest step that *every* rank can obtain (its own file, or a copy on a member of its clique),
   and the ranks missing their file of that step receive it from a member that holds it. A received
-  copy is checked like a local file; a damaged one is not used (the log says so) and selection then
-  falls back to an older step or to GLOBAL. Nothing is cached between calls: every (re)start looks
+  copy is checked like a local file; a damaged one is not used (the log says so) and the ranks try
+  the next older step every rank can obtain; with none left, selection falls back to GLOBAL. Nothing is cached between calls: every (re)start looks
   at the disk afresh.
 """
 
@@ -151,30 +151,48 @@ def replicate_step(replicator: Replicator, store: ReplicaStore, step: int, run_i
     return True
 
 
-def _newest_obtainable(held: list[list[str]], cliques: list[list[int]]) -> Optional[int]:
-    """Newest step whose file of every rank is held by some member of that rank's clique."""
-    world = len(held)
+def _obtainable(held: list[list[str]], cliques: list[list[int]]) -> list[int]:
+    """Steps, newest first, whose file of every rank is held by some member of that rank's clique."""
     clique_of = {r: g for g in cliques for r in g}
     steps = None
-    for r in range(world):
+    for r in range(len(held)):
         mine = {parse_replica_id(i)[0] for m in clique_of[r] for i in held[m] if parse_replica_id(i)[1] == r}
         steps = mine if steps is None else steps & mine
-    return max(steps) if steps else None
+    return sorted(steps or (), reverse=True)
 
 
 def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str) -> Optional[int]:
     """Collective: make the newest step that every rank can obtain present in every rank's folder.
 
+    The ranks agree on the newest step every rank can obtain; the ranks missing their file of it
+    receive it and check it. When a received copy is damaged anywhere, the ranks move on to the
+    next older step that every rank can obtain (the damaged copy is never written).
+
     Returns:
-        That step, or None when no step can be obtained by every rank (then nothing is fetched).
+        The step every rank now holds, or None (nothing every rank can obtain: selection then
+        skips LOCAL steps that some rank misses and falls back to GLOBAL).
     """
     held = _dist.all_gather_object(store.holdings(run_id))
-    step = _newest_obtainable(held, clique_groups(replicator.world_size, replicator.factor, replicator.jump))
-    if step is None:
-        return None
-    missing = [r for r in range(len(held)) if replica_id(step, r) not in held[r]]
-    if not missing:
-        return step
+    steps = _obtainable(held, clique_groups(replicator.world_size, replicator.factor, replicator.jump))
+    if not steps and any(held) and _dist.rank() == 0:
+        lacking = [r for r in range(len(held)) if not any(parse_replica_id(i)[1] == r for h in held for i in h)]
+        log.warning("resume: no LOCAL step can be obtained by every rank (no file or replica of rank(s) %s "
+                    "survives); LOCAL is skipped", lacking or "some")
+    for step in steps:
+        missing = [r for r in range(len(held)) if replica_id(step, r) not in held[r]]
+        if not missing:
+            return step
+        if _dist.all_true(_retrieve_step(replicator, store, held, step, missing)):
+            return step
+        if _dist.rank() == 0:
+            log.warning("resume: LOCAL step %d could not be rebuilt on every rank from replicas; trying an older one",
+                        step)
+    return None
+
+
+def _retrieve_step(replicator: Replicator, store: ReplicaStore, held: list[list[str]], step: int,
+                   missing: list[int]) -> bool:
+    """Collective: the ranks in ``missing`` receive their file of ``step``; True when this rank holds it now."""
     me = store.rank
     wanted = [replica_id(step, me)] if me in missing else []
     if _dist.rank() == 0:
@@ -182,14 +200,15 @@ def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str
     t0 = time.perf_counter()
     got = replicator.retrieve(dict(enumerate(held)), wanted, store.load)
     seconds = time.perf_counter() - t0
+    ok = not wanted
     for id_, (replica, sender) in got.items():
         try:
             store.store(replica)
         except (OSError, KeyError, ValueError) as e:
-            log.error("resume: LOCAL step %d of rank %d retrieved from rank %d is damaged (%s): not used; resume "
-                      "falls back to an older checkpoint (GLOBAL if no LOCAL step is complete)", step, me, sender, e)
+            log.error("resume: LOCAL step %d of rank %d retrieved from rank %d is damaged (%s): not used", step, me,
+                      sender, e)
             continue
+        ok = True
         log.warning("resume: LOCAL step %d of rank %d retrieved from rank %d: %d bytes in %.2fs (checksum verified)",
                     step, me, sender, replica.data.numel(), seconds)
-    _dist.barrier()
-    return step
+    return ok

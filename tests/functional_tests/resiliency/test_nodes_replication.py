@@ -1,8 +1,9 @@
 """Two simulated nodes x 1 rank (scripts/launch_nodes.sh): lose node 1 and its node-local disk.
 
 With ``checkpoint.replication_factor=2`` the relaunch retrieves rank 1's LOCAL step 10 from the
-replica on node 0 and goes on bit for bit; without replicas the same loss cannot resume from LOCAL:
-the error names the rank that misses step 10, and no good file on the surviving node is renamed.
+replica on node 0 and goes on bit for bit; when that replica is damaged, the copy is refused and
+the ranks take the older step 5 from the replicas; without replicas the same loss cannot resume from
+LOCAL: the error names the rank that misses step 10, and no good file on the surviving node is renamed.
 """
 
 import json
@@ -41,8 +42,9 @@ def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_mis
     assert proc.returncode != 0, log[-5000:]
     assert "LOCAL checkpoint of step 10 replicated" in log and "LOCAL checkpoint of step 10 sealed on every rank" in log
     node_dir = Path(re.search(r"KILLING node 1 rank 1 after step 12; local_dir=(\S+)", log).group(1)).parent
-    unreplicated = tmp_path / "unreplicated"
-    shutil.copytree(lost, unreplicated)  # the same loss, for the case without replicas below
+    unreplicated, damaged = tmp_path / "unreplicated", tmp_path / "damaged"
+    shutil.copytree(lost, unreplicated)  # the same loss, for the cases below
+    shutil.copytree(lost, damaged)
     shutil.rmtree(node_dir)  # the node is replaced: its node-local disk is empty
 
     proc, log = _launch(lost, "resumed", "checkpoint.replication_factor=2")
@@ -53,6 +55,19 @@ def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_mis
         expected = {s: v for s, v in _losses(straight, rank, "straight").items() if s > 10}
         assert _losses(lost, rank, "resumed") == expected  # float hex: bit for bit
         assert sorted(expected) == [11, 12, 13, 14]
+
+    # The replica of rank 1's step 10 is damaged: refused after the transfer, step 5 is rebuilt instead.
+    shutil.rmtree(damaged / node_dir.relative_to(lost))
+    (replica,) = (damaged / "run").glob("node*/local/replicas/1/iter_0000010_1_local.pt")
+    data = bytearray(replica.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    replica.write_bytes(bytes(data))
+    proc, log = _launch(damaged, "damaged", "checkpoint.replication_factor=2")
+    assert proc.returncode == 0, log[-5000:]
+    assert "LOCAL step 10 of rank 1 retrieved from rank 0 is damaged (checksum-mismatch" in log
+    assert "LOCAL step 5 of rank 1 retrieved from rank 0:" in log and "resumed from LOCAL checkpoint at iteration 5" in log
+    for rank in (0, 1):
+        assert _losses(damaged, rank, "damaged") == {s: v for s, v in _losses(straight, rank, "straight").items() if s > 5}
 
     # Without replication: no copy of rank 1's files anywhere.
     run = unreplicated / "run"

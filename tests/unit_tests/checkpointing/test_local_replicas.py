@@ -48,13 +48,13 @@ def test_cliques_are_nvrx_groups_across_nodes():
     assert clique_groups(4, 2, 2) == [[0, 2], [1, 3]]
 
 
-def test_the_newest_step_every_rank_can_obtain():
+def test_the_steps_every_rank_can_obtain_newest_first():
     cliques = [[0, 1]]
     held = [[replica_id(s, o) for s in (5, 10) for o in (0, 1)], []]  # node 1 replaced: holds nothing
-    assert local_replicas._newest_obtainable(held, cliques) == 10
+    assert local_replicas._obtainable(held, cliques) == [10, 5]
     held = [[replica_id(10, 0), replica_id(5, 0), replica_id(5, 1)], []]  # rank 1's step 10 never replicated
-    assert local_replicas._newest_obtainable(held, cliques) == 5
-    assert local_replicas._newest_obtainable([[replica_id(10, 0)], []], cliques) is None
+    assert local_replicas._obtainable(held, cliques) == [5]
+    assert local_replicas._obtainable([[replica_id(10, 0)], []], cliques) == []
 
 
 def _write_own(root, step, rank=0, run_id="runA", payload=b"local-bytes" * 100):
