@@ -363,6 +363,13 @@ class GlobalTier(StagedTier):
     def prepare_resume(self, run_id: str) -> None:
         """Nothing to fetch: a GLOBAL checkpoint is on shared storage."""
 
+    def interrupted_steps(self) -> list[int]:
+        """None per rank: a GLOBAL save is published whole or not at all (its staging is a leftover)."""
+        return []
+
+    def abandon(self, step: int) -> None:
+        """Nothing per rank to abandon (see :meth:`interrupted_steps`)."""
+
     def quarantine(self, cand: Candidate, reason: str) -> None:
         if _dist.rank() == 0 and cand.path.exists():
             target = paths.quarantine(cand.path, reason)

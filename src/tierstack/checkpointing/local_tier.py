@@ -74,6 +74,7 @@ class LocalTier(StagedTier):
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.sealed: list[int] = []  # steps sealed on every rank by this process
+        self._abandoned: set[int] = set()  # interrupted saves found at resume: removed by the next save
         self._replicator = None  # checkpoint.replication_factor > 1: copies on other nodes (local_replicas)
         if self.root is not None and cfg.replication_factor > 1:
             from tierstack.checkpointing.replication import Replicator
@@ -164,6 +165,10 @@ class LocalTier(StagedTier):
             paths.remove_leftovers(self.rank_dir, run_id)
         except OSError as e:  # listing the folder failed: the write below reports what is wrong
             log.warning("LOCAL leftovers in %s not cleaned: %s", self.rank_dir, e)
+        for old in sorted(self._abandoned - {step}):  # this rank's part of an interrupted save
+            log.info("removing rank %d's LOCAL files of step %d, left by an interrupted save", self.layout.rank, old)
+            self._remove_step(old, run_id)
+        self._abandoned.clear()
         theirs = self._owner(step)
         if theirs not in (None, run_id):  # another run's checkpoint is never replaced or deleted
             raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
@@ -284,6 +289,23 @@ class LocalTier(StagedTier):
         except OSError as e:
             return f"unreadable {name} ({e.strerror})"
         return None
+
+    def interrupted_steps(self) -> list[int]:
+        """Steps whose write this rank left unfinished (a ``.dirty`` file; not collective)."""
+        if self.root is None or not self.rank_dir.is_dir():
+            return []
+        out = []
+        for p in self.rank_dir.iterdir():
+            if p.name.endswith(".dirty.pt"):
+                parsed = paths.parse_local_file(p.name[: -len(".dirty.pt")] + ".pt")
+                if parsed is not None and parsed[1] == self.layout.rank:
+                    out.append(parsed[0])
+        return out
+
+    def abandon(self, step: int) -> None:
+        """``step`` is an interrupted save (sealed on some ranks, a ``.dirty`` file on another): this
+        rank's files of it are leftovers, removed by the next LOCAL save (not collective)."""
+        self._abandoned.add(step)
 
     def quarantine(self, cand: Candidate, reason: str) -> None:
         for p in self._paths(cand.step):

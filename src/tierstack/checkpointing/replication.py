@@ -18,6 +18,11 @@ replica and every retrieved copy end to end (a damaged copy is refused, never lo
 - :meth:`Replicator.retrieve`: ``retrieve_plan`` (which member sends a wanted file) and
   ``retrieve_execute`` (point-to-point send/receive).
 
+Both are checkpoint collectives: they run inside the manager's bounded blocks (LOCAL finalize,
+resume), and the clique groups are registered with
+:func:`tierstack.runtime.collectives.register_checkpoint_group`, so a member that is gone or hung
+fails the exchange on every rank within ``checkpoint.collective_timeout_s`` (``CollectiveError``).
+
 On CPU the groups are gloo; NVRx's ``retrieve_execute`` moves every tensor with ``.cuda()`` before
 sending, which the CPU compatibility layer (:mod:`tierstack.runtime.cpu_compat`) maps to the host.
 On GPU the groups are NCCL and the bytes are staged on the device for the exchange (NCCL moves
@@ -30,6 +35,8 @@ import logging
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+
+from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,17 @@ class FileReplica(_tasd_base()):
         return self.data if self.data.device.type == "cpu" else self.data.cpu()
 
 
+def _collective(fn: Callable, what: str):
+    """``fn()``, an NVRx exchange over the clique groups; a failed or timed-out collective (a member
+    gone or hung past ``checkpoint.collective_timeout_s``) raises ``CollectiveError`` like ours."""
+    try:
+        return fn()
+    except _dist.CollectiveError:
+        raise
+    except RuntimeError as e:  # gloo/NCCL timeouts and closed connections; torch's DistError
+        raise _dist.CollectiveError(f"{what} failed ({e}); a rank is gone or hung") from e
+
+
 def replica_id(step: int, owner: int) -> str:
     """The NVRx id of ``owner``'s LOCAL file of ``step``."""
     return f"{step}:{owner}"
@@ -136,6 +154,7 @@ class Replicator:
             from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 
             self._strategy = CliqueReplicationStrategy.from_replication_params(self.jump, self.factor)
+            _dist.register_checkpoint_group(self._strategy.local_group.group)  # bounded like every checkpoint collective
         return self._strategy
 
     @staticmethod
@@ -155,7 +174,7 @@ class Replicator:
             The other members' files (owner, step, manifest, bytes), bytes on the host.
         """
         mine = FileReplica(self.rank, step, manifest, self._staged(data))
-        theirs, _ids = self.strategy.replicate(mine, mine.id)
+        theirs, _ids = _collective(lambda: self.strategy.replicate(mine, mine.id), "LOCAL replication")
         out = []
         for r in theirs:
             if r.owner != self.rank:
@@ -179,13 +198,13 @@ class Replicator:
             NoReplicasAvailableError (NVRx): a wanted id is held by no member of the clique.
         """
         strategy = self.strategy
-        plan = strategy.retrieve_plan(available, list(wanted))
+        plan = _collective(lambda: strategy.retrieve_plan(available, list(wanted)), "LOCAL replica retrieval")
         my_data = {}
         for id_ in plan.required_ids():
             replica = load(id_)
             replica.data = self._staged(replica.data)
             my_data[id_] = replica
-        received = strategy.retrieve_execute(plan, my_data)
+        received = _collective(lambda: strategy.retrieve_execute(plan, my_data), "LOCAL replica retrieval")
         senders = {e.id_: e.sender for e in plan.entries if e.receiver == self.rank}
         out = {}
         for id_, replica in received.items():

@@ -10,7 +10,9 @@ reported and left alone. Which run is "this run" is decided before, by
 
 A step that some rank does not hold at all (its node was replaced, its write never finished) is
 skipped, never quarantined: the ranks that hold it keep their good files, and the ranks that miss
-it are named (``Selection.missing``). Quarantine is for what fails its own checks: a tier whose
+it are named (``Selection.missing``). When such a rank left a ``.dirty`` file of the step, the
+save was interrupted before it was sealed: the other ranks' files of it are leftovers that the next
+save of the tier removes (the rule of ``checkpoints verify``). Quarantine is for what fails its own checks: a tier whose
 files are per rank (LOCAL, ``per_rank_files``) renames only the files of the ranks whose own check
 failed; a shared checkpoint (GLOBAL) is invalid as a whole.
 """
@@ -50,6 +52,25 @@ def _log_skip(tier: CheckpointTier, step: int, skip: str, cand: Optional[Candida
         log.info("resume: skipping %s checkpoint of step %d (%s)", tier.value, step, skip)
 
 
+def _skip_absent(result: Selection, handler: CheckpointTierHandler, step: int, absent: list[int],
+                 interrupted: list[int]) -> None:
+    """A step some ranks do not hold is skipped, never quarantined. When one of them left a
+    ``.dirty`` file of it, the save was interrupted before it was sealed: the files the other ranks
+    hold are leftovers, which the next save of the tier removes (``checkpoints verify`` lists such a
+    step as a leftover too). Otherwise the files were lost (a replaced node): the other ranks keep
+    theirs, so that restoring the missing ones makes the step resumable again."""
+    tier = handler.tier.value
+    if interrupted:
+        result.missing.append(f"{tier} step {step}: interrupted save (rank(s) {interrupted} left it unfinished)")
+        handler.abandon(step)
+    else:
+        result.missing.append(f"{tier} step {step}: missing on rank(s) {absent}")
+    if _dist.rank() == 0:
+        log.warning("resume: %s checkpoint of step %d is missing on rank(s) %s: skipped (%s)", tier.upper(), step,
+                    absent, "an interrupted save: the next save removes its files" if interrupted
+                    else "the files of the other ranks are left as they are")
+
+
 def _order(keys, tiers: Sequence[CheckpointTier]) -> list[tuple[CheckpointTier, int]]:
     """Newest step first; at equal steps in the order of ``tiers`` (fastest first)."""
     return sorted(keys, key=lambda k: (-k[1], tiers.index(k[0])))
@@ -63,7 +84,10 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
     for h in by_tier.values():
         for cand in h.candidates(family):
             views[(h.tier, cand.step)] = cand
-    summaries = _dist.all_gather_object({k: v.problem for k, v in views.items()})
+    gathered = _dist.all_gather_object(({k: v.problem for k, v in views.items()},
+                                        {h.tier: h.interrupted_steps() for h in by_tier.values()}))
+    summaries = [g[0] for g in gathered]
+    dirty = [g[1] for g in gathered]  # per rank: tier -> steps it left a .dirty file of
     keys = set().union(*(s.keys() for s in summaries))
     if ckpt_step is not None:
         keys = {k for k in keys if k[1] == ckpt_step}
@@ -78,11 +102,8 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
                 _log_skip(tier, step, skip, views.get(key), family)
             continue
         absent = [r for r, p in enumerate(problems) if p == MISSING]
-        if absent:  # not invalid: some rank holds nothing of it; the others keep their files
-            result.missing.append(f"{tier.value} step {step}: missing on rank(s) {absent}")
-            if _dist.rank() == 0:
-                log.warning("resume: %s checkpoint of step %d is missing on rank(s) %s: skipped (the files of "
-                            "the other ranks are left as they are)", tier.value.upper(), step, absent)
+        if absent:  # not invalid: some rank holds nothing of it
+            _skip_absent(result, by_tier[tier], step, absent, [r for r in absent if step in dirty[r].get(tier, [])])
             continue
         cand = views[key]
         local = cand.problem if cand.problem is not None else by_tier[tier].verify(cand)

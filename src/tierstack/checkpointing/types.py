@@ -101,6 +101,15 @@ class CheckpointTierHandler(Protocol):
         retrieved from replicas on other nodes); no-op for a tier that has nothing to fetch."""
         ...
 
+    def interrupted_steps(self) -> list[int]:
+        """Steps whose save this rank left unfinished (LOCAL: a ``.dirty`` file; not collective)."""
+        ...
+
+    def abandon(self, step: int) -> None:
+        """``step`` was found to be an interrupted save: this rank's files of it are leftovers for
+        the next save of the tier to remove (not collective)."""
+        ...
+
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
         """This rank's view of the tier's checkpoints of ``run_id`` (header checks; no quarantine; not collective)."""
         ...

@@ -105,10 +105,30 @@ def barrier() -> None:
         dist.barrier()
 
 
+_checkpoint_groups: list = []  # groups a checkpoint created for itself (register_checkpoint_group)
+
+
+def register_checkpoint_group(group) -> None:
+    """Bound ``group``'s collectives like every other checkpoint collective (:func:`bounded`).
+
+    For the process groups a checkpoint feature creates for its own exchanges (LOCAL replication's
+    cliques, created by nvidia-resiliency-ext with torch's default timeout): inside a
+    :func:`bounded` block the group gets that block's timeout at once; afterwards it follows every
+    block, and gets ``distributed.timeout_s`` back between them.
+    """
+    if group is None or any(g is group for g in _checkpoint_groups):
+        return
+    _checkpoint_groups.append(group)
+    seconds = _bounded_timeout_s if _bounded_depth else training_timeout_s
+    if seconds is not None and is_distributed():
+        _set_timeout(seconds, [group])
+
+
 def _groups() -> list:
-    """The process groups a checkpoint uses: WORLD, and megatron's data-parallel group (the fully
-    parallel save and load exchange over it) when model parallelism is initialised."""
-    groups = [None]
+    """The process groups a checkpoint uses: WORLD, megatron's data-parallel group (the fully
+    parallel save and load exchange over it) when model parallelism is initialised, and the groups
+    registered with :func:`register_checkpoint_group`."""
+    groups = [None] + list(_checkpoint_groups)
     try:
         from megatron.core import parallel_state
 
@@ -119,12 +139,12 @@ def _groups() -> list:
     return groups
 
 
-def _set_timeout(seconds: float) -> None:
+def _set_timeout(seconds: float, groups: Optional[list] = None) -> None:
     from datetime import timedelta
 
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    for g in _groups():
+    for g in _groups() if groups is None else groups:
         try:
             _set_pg_timeout(timedelta(seconds=seconds), g)
         except (RuntimeError, ValueError, AssertionError) as e:  # a backend without per-group timeouts
@@ -135,6 +155,7 @@ def _set_timeout(seconds: float) -> None:
 
 training_timeout_s: Optional[float] = None  # distributed.timeout_s, set by runtime.initialize_distributed
 _bounded_depth = 0
+_bounded_timeout_s: Optional[float] = None  # the bound of the outermost active block
 
 
 @contextlib.contextmanager
@@ -148,13 +169,14 @@ def bounded(timeout_s: Optional[float], restore_s: Optional[float] = None) -> It
     back (default: the ``distributed.timeout_s`` the process groups were created with). No-op
     without torch.distributed, with ``timeout_s`` None, or when nothing is known to restore.
     """
-    global _bounded_depth
+    global _bounded_depth, _bounded_timeout_s
     restore_s = restore_s if restore_s is not None else training_timeout_s
     if timeout_s is None or restore_s is None or not is_distributed():
         yield
         return
     _bounded_depth += 1
     if _bounded_depth == 1:
+        _bounded_timeout_s = timeout_s
         _set_timeout(timeout_s)
     try:
         yield

@@ -9,6 +9,7 @@ import torch
 
 from tierstack.checkpointing import local_file, local_replicas, manifest, paths, retention, selection
 from tierstack.checkpointing.local_tier import LocalTier
+from tierstack.checkpointing.types import CheckpointTier
 from tierstack.checkpointing.replication import FileReplica, clique_groups, replica_id
 from tierstack.config import CheckpointConfig, ConfigContainer, ConfigError
 from tierstack.runtime import ParallelLayout
@@ -88,17 +89,47 @@ def test_a_replica_is_stored_only_when_its_owners_checksum_matches(tmp_path):
     assert sent.tensors[0].shape == data.shape and sent.tensors[0].dtype == torch.uint8
 
 
+def _rank1_holds_nothing(monkeypatch, dirty_steps=()):
+    """Simulate a rank 1 in the gathers of selection: no candidates, ``.dirty`` files of ``dirty_steps``."""
+    real = collectives.all_gather_object
+    rank1 = ({}, {CheckpointTier.LOCAL: list(dirty_steps)})
+    monkeypatch.setattr(collectives, "all_gather_object",
+                        lambda obj: real(obj) + [rank1 if isinstance(obj, tuple) else None])
+
+
 def test_a_step_missing_on_a_rank_is_skipped_and_the_files_of_the_others_stay(tmp_path, monkeypatch):
     """Rank 1 (simulated: its view of the gather) holds nothing; rank 0's good step 10 is not renamed."""
     _write_own(tmp_path / "local", 10)
-    real = collectives.all_gather_object
-    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: real(obj) + [{} if isinstance(obj, dict) else None])
+    _rank1_holds_nothing(monkeypatch)
     tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local")), LAYOUT)
     chosen = selection.select([tier], family="runA")
     assert chosen.handler is None and not chosen.quarantined
     assert chosen.missing == ["local step 10: missing on rank(s) [1]"]
     names = sorted(p.name for p in (tmp_path / "local" / "0").iterdir())
     assert names == [paths.local_manifest_name(10, 0), paths.local_file_name(10, 0)]
+    assert tier._abandoned == set()  # files lost with a node: rank 0 keeps its part for a restore
+
+
+def test_a_step_another_rank_left_dirty_is_an_interrupted_save_left_for_the_next_save(tmp_path, monkeypatch):
+    """Rank 1 left a ``.dirty`` file of step 10 (killed while writing): the step is skipped, not
+    quarantined, and rank 0's sealed part of it is a leftover for the next save (the rule of
+    ``checkpoints verify``, issue 10), not a file to keep."""
+    _write_own(tmp_path / "local", 10)
+    _rank1_holds_nothing(monkeypatch, dirty_steps=[10])
+    tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local")), LAYOUT)
+    chosen = selection.select([tier], family="runA")
+    assert chosen.handler is None and not chosen.quarantined
+    assert chosen.missing == ["local step 10: interrupted save (rank(s) [1] left it unfinished)"]
+    assert len(list((tmp_path / "local" / "0").iterdir())) == 2  # nothing renamed or removed at resume
+    assert tier._abandoned == {10}
+
+
+def test_own_dirty_files_name_the_interrupted_steps(tmp_path):
+    (tmp_path / "local" / "0").mkdir(parents=True)
+    (tmp_path / "local" / "0" / "iter_0000012_0_local.dirty.pt").write_bytes(b"x")
+    (tmp_path / "local" / "0" / "iter_0000013_1_local.dirty.pt").write_bytes(b"x")  # not this rank's
+    tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local")), LAYOUT)
+    assert tier.interrupted_steps() == [12]
 
 
 def test_quarantined_files_beyond_the_budget_are_removed_oldest_first(tmp_path, caplog):

@@ -48,6 +48,12 @@ class FakeTier:
     def candidates(self, run_id):
         return []
 
+    def interrupted_steps(self):
+        return []
+
+    def abandon(self, step):
+        raise AssertionError("no candidates, nothing to abandon")
+
     def verify(self, candidate):
         return None
 
