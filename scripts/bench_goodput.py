@@ -2,8 +2,15 @@
 
 Usage::
 
-    .venv/bin/python scripts/bench_goodput.py [--iterations 100] [--fault-every-s 120] [--seed 0]
-        [--configs none,global,local_global,replicated,auto] [--timeout-factor 6] [--work-dir DIR]
+    .venv/bin/python scripts/bench_goodput.py [--iterations auto] [--fault-every-s auto] [--fault-factor 4]
+        [--faults 2] [--seed 0] [--configs none,global,local_global,replicated,auto] [--timeout-factor 3]
+        [--work-dir DIR]
+
+First a calibration launch (``local_global``, one SIGKILL right after the first LOCAL save) measures
+the seconds per iteration and the restart time (kill to the first new step) on this machine, now.
+``--fault-every-s auto`` is ``--fault-factor`` times that restart time (a fault interval near the
+restart time leaves no progress at all); ``--iterations auto`` runs long enough for about
+``--faults`` failures per configuration. The expected total time is printed before the runs.
 
 Each configuration runs the main job's model (gpt_tiny, TP=1 on 2 simulated nodes x 1 rank, micro batch 4 so the global batch of 8 is the main job's, on
 mock data so that no rank preprocesses a corpus,
@@ -21,8 +28,7 @@ Status (issue 9): a first version, NOT validated. Its only run so far was a smok
 loaded 2-core machine (load average 8-14 from other jobs): ``--iterations 20 --fault-every-s 25
 --configs replicated`` took 65 s failure-free, and a restart there took longer than 25 s from kill
 to setup, so every restart was killed again before its first step (no progress; the launch was
-stopped). The fault interval must exceed the restart time by a wide margin; the defaults below
-have not been run, and the README has no table from it yet.
+stopped). Hence the calibration: the fault interval now follows the measured restart time.
 
 This process is also the worker (``RANK`` set by torchrun): it trains with ``pretrain`` and appends
 ``{"t", "step", "pid"}`` per iteration to ``<run>/steps_rank<r>.jsonl`` and its pid and node-local
@@ -90,7 +96,7 @@ def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: thr
         kills.append({"t": time.time(), "rank": rank})
 
 
-def _run(name: str, extra: list[str], args, work: Path, faults: bool) -> dict:
+def _run(name: str, extra: list[str], args, work: Path, faults: bool, injector=None) -> dict:
     run = work / name
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
@@ -106,8 +112,11 @@ def _run(name: str, extra: list[str], args, work: Path, faults: bool) -> dict:
            str(run), *overrides]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
     stop, kills = threading.Event(), []
-    injector = threading.Thread(target=_inject, args=(run, args.fault_every_s, random.Random(args.seed), name == "replicated",
-                                                      stop, kills), daemon=True)
+    if injector is not None:  # the calibration's own single kill
+        injector, faults = threading.Thread(target=injector, args=(run, stop), daemon=True), True
+    else:
+        injector = threading.Thread(target=_inject, args=(run, args.fault_every_s, random.Random(args.seed),
+                                                          name == "replicated", stop, kills), daemon=True)
     t0 = time.time()
     with open(run / "launch.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
@@ -142,13 +151,47 @@ def _analyse(run: Path, kills: list) -> dict:
     return {"lost": lost, "recover": recover, "tiers": [f"{t} {s}" for t, s in tiers] + ["scratch"] * max(0, starts_from_zero)}
 
 
+def _calibrate(args, work: Path) -> dict:
+    """One launch of ``local_global`` with a single SIGKILL right after the first LOCAL save is
+    sealed: the seconds per iteration (median, before the kill) and the restart time (kill to the
+    first new step: detection, process start, setup, load) on this machine, now."""
+    run = work / "calibration"
+    shutil.rmtree(run, ignore_errors=True)
+    iters = 3 * LOCAL_EVERY
+    cal = argparse.Namespace(**{**vars(args), "iterations": iters, "limit_s": None, "fault_every_s": 3600.0})
+    kills: list = []
+
+    def kill_after_first_seal(run: Path, stop: threading.Event) -> None:
+        steps = run / "steps_rank0.jsonl"
+        while not stop.wait(0.2):
+            done = [json.loads(x) for x in steps.read_text().splitlines()] if steps.exists() else []
+            info = run / "rank1.json"
+            if len(done) >= LOCAL_EVERY + 2 and info.exists():
+                os.kill(json.loads(info.read_text())["pid"], signal.SIGKILL)
+                kills.append({"t": time.time(), "rank": 1})
+                return
+
+    r = _run("calibration", CONFIGS["local_global"], cal, work, faults=False, injector=kill_after_first_seal)
+    steps = [json.loads(x) for x in (run / "steps_rank0.jsonl").read_text().splitlines()]
+    first = [s["t"] for s in steps if not kills or s["t"] < kills[0]["t"]]
+    gaps = sorted(b - a for a, b in zip(first, first[1:]))
+    step_s = gaps[len(gaps) // 2] if gaps else float("nan")
+    after = [s for s in steps if kills and s["t"] > kills[0]["t"]]
+    restart_s = after[0]["t"] - kills[0]["t"] if after else float("nan")
+    return {"rc": r["rc"], "step_s": step_s, "restart_s": restart_s, "wall": r["wall"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iterations", type=int, default=100)
-    p.add_argument("--fault-every-s", type=float, default=120.0)
+    p.add_argument("--iterations", default="auto",
+                   help="iterations per configuration; auto: enough for --faults failures at the fault interval")
+    p.add_argument("--fault-every-s", default="auto",
+                   help="seconds between kills; auto: --fault-factor times the restart time measured first")
+    p.add_argument("--fault-factor", type=float, default=4.0)
+    p.add_argument("--faults", type=int, default=2, help="failures per configuration aimed at by --iterations auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--timeout-factor", type=float, default=6.0)
+    p.add_argument("--timeout-factor", type=float, default=3.0)
     p.add_argument("--work-dir", default=None)
     args = p.parse_args()
     args.limit_s = None
@@ -157,6 +200,18 @@ def main() -> None:
     unknown = set(names) - set(CONFIGS)
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    cal = _calibrate(args, work)
+    print(f"calibration: {cal['step_s']:.2f}s per iteration, restart (kill to first new step) {cal['restart_s']:.1f}s, "
+          f"launch {cal['wall']:.1f}s (rc {cal['rc']})", flush=True)
+    if cal["restart_s"] != cal["restart_s"]:  # nan: the calibration run never came back
+        sys.exit(f"calibration failed: no step after the kill; see {work / 'calibration' / 'launch.log'}")
+    args.fault_every_s = (args.fault_factor * cal["restart_s"] if args.fault_every_s == "auto"
+                          else float(args.fault_every_s))
+    args.iterations = (int(args.faults * args.fault_every_s / cal["step_s"]) + 1 if args.iterations == "auto"
+                       else int(args.iterations))
+    estimate = (1 + len(names)) * (cal["wall"] + args.iterations * cal["step_s"]) + len(names) * args.faults * cal["restart_s"]
+    print(f"fault every {args.fault_every_s:.0f}s, {args.iterations} iterations per configuration; "
+          f"expected total about {estimate / 60:.0f} min", flush=True)
     reference = _run("failure_free", [], args, work, faults=False)
     args.limit_s = args.timeout_factor * reference["wall"]
     print(f"== goodput: gpt_tiny TP=1 on 2 simulated nodes x 1 rank, {args.iterations} iterations, a rank killed every "

@@ -12,7 +12,6 @@ directory, and the oldest beyond it are removed, each removal logged (:func:`pru
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Iterable
