@@ -130,3 +130,49 @@ def test_transient_rank0_metadata_error_reruns_only_the_failed_write(gloo_group,
         global_writer.shutdown_results_channel()
     loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, str(ckpt))
     assert torch.equal(loaded["w"], torch.arange(8.0))
+
+
+def _replicating_rank(rank: int, store: str, gone: str, out) -> None:
+    from tierstack.checkpointing.replication import Replicator
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        replicator = Replicator(factor=2, jump=1, rank=rank, world_size=2)
+        with _dist.bounded(2.0, 600.0):
+            replicator.strategy  # NVRx creates the clique groups: every rank takes part
+        if rank == 1:  # then never joins the exchange: a member gone or hung
+            deadline = time.monotonic() + 60
+            while not __import__("os").path.exists(gone) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            out.put(("peer", None))
+            return
+        t0 = time.monotonic()
+        try:
+            with _dist.bounded(2.0, 600.0):
+                replicator.replicate(10, {"files": {}}, torch.zeros(16, dtype=torch.uint8))
+            out.put(("rank0", ("no error", time.monotonic() - t0)))
+        except errors.CollectiveFailure as e:
+            out.put(("rank0", (type(e).__name__, time.monotonic() - t0)))
+        open(gone, "w").close()
+    finally:
+        torch.distributed.destroy_process_group() if rank == 0 else None
+
+
+def test_local_replication_with_a_missing_clique_member_fails_within_the_collective_timeout(tmp_path):
+    """Issue 9 on issue 10: NVRx's clique groups (created with torch's default timeout of 30 min)
+    are bounded like every checkpoint collective: a member that never joins the exchange fails it on
+    the other within ``checkpoint.collective_timeout_s`` (here 2 s), as CollectiveError."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_replicating_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "gone"), out))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=150) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    kind, seconds = got["rank0"]
+    assert kind == "CollectiveError", got
+    assert seconds < 30, seconds
