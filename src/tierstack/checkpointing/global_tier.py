@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from tierstack.checkpointing import (
-    compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
+    best, compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
 )
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.global_reader import GlobalReader
@@ -262,18 +262,19 @@ class GlobalTier(StagedTier):
 
         retry.run_agreed(publish_on_rank0)
 
-    def _after_publish(self, step: int, run_id: str, blocked_s: float) -> None:
+    def _after_publish(self, step: int, run_id: str, blocked_s: float, train_state: dict) -> None:
         path = self.save_root / paths.step_dir_name(step)
         man = paths.read_json(path / paths.MANIFEST) if _dist.rank() == 0 else None
         size = _dist.broadcast_object(int(man["bytes"]) if man else 0)
         log.info("GLOBAL checkpoint of step %d published at %s (%d bytes, blocked %.2fs)", step, path, size, blocked_s)
         if _dist.rank() == 0:
-            try:
-                retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k)
+            try:  # the top-K records published with this checkpoint protect their steps
+                retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k,
+                                       best.protected_steps(train_state))
             except OSError as e:  # retention never fails a save
                 log.warning("GLOBAL retention after step %d failed: %s", step, e)
         self.published.append(step)
-        self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s))
+        self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s, train_state))
 
     # ------------------------------------------------------------------ finalize
     def finalize(self, blocking: bool) -> None:
@@ -306,7 +307,7 @@ class GlobalTier(StagedTier):
             self.failures.append(job.step)
             return
         self.last_durable_s = time.perf_counter() - job.started
-        self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
+        self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0, job.train_state)
 
     def _finalize_attempts(self, job: _InFlight) -> None:
         """Collective: megatron's finalize, seal and publish, retried together on a transient error."""

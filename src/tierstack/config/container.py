@@ -134,6 +134,9 @@ class ConfigContainer:
                  d.tensor_model_parallel_size, d.pipeline_model_parallel_size)
         if min(sizes) >= 1:
             p += self._validate_parallel(world_size)
+        c = self.checkpoint
+        if c is not None and c.save_on_best and not (t.eval_interval and t.eval_iters >= 1):
+            p.append("checkpoint.save_on_best needs validation: set train.eval_interval (and train.eval_iters >= 1)")
         if p:
             raise ConfigError(p)
 

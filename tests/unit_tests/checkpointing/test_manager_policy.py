@@ -1,9 +1,9 @@
 """CheckpointManager's policy, single process, with recording tiers in place of LOCAL and GLOBAL.
 
 The fakes implement the tier Protocol and record every call in one shared journal, so the tests
-check what the manager decides (intervals, once per step and tier, order, preflight, failures, the
-final tier, close) and nothing of how a tier writes. The model is a real (tiny) torch module: the
-preflight runs for real on its parameters.
+check what the manager decides (intervals, once per step and tier, order, the non-finite guard,
+failures, the final tier, close) and nothing of how a tier writes. The model is a real (tiny) torch
+module with a real torch Adam: the guard runs for real on its parameters and moments.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tierstack.checkpointing import CheckpointManager, CheckpointSaveError, CheckpointTier, TrainingObjects
-from tierstack.checkpointing import preflight as preflight_module
+from tierstack.checkpointing import nonfinite_guard as guard_module
 from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
 from tierstack.train_state import TrainState
@@ -80,7 +80,9 @@ def make(journal, *, local=None, global_=None, **cfg):
     local = FakeTier(CheckpointTier.LOCAL, journal, **(local or {}))
     global_ = FakeTier(CheckpointTier.GLOBAL, journal, persistent=True, **(global_ or {}))
     manager = CheckpointManager(CheckpointConfig(**cfg), LAYOUT, tiers=[local, global_])
-    objs = TrainingObjects(model=[torch.nn.Linear(4, 4)], optimizer=None, scheduler=None, train_state=TrainState())
+    model = torch.nn.Linear(4, 4)
+    objs = TrainingObjects(model=[model], optimizer=torch.optim.Adam(model.parameters()), scheduler=None,
+                           train_state=TrainState())
     return manager, objs, local, global_
 
 
@@ -123,29 +125,41 @@ def test_a_tier_that_does_not_save_is_skipped():
     assert saves(journal) == [("local", 1), ("local", 2)]
 
 
-def test_preflight_runs_once_per_step_for_all_tiers(monkeypatch):
+def test_the_guard_runs_once_per_step_for_all_tiers(monkeypatch):
     calls = []
-    real = preflight_module.all_finite
-    monkeypatch.setattr(preflight_module, "all_finite", lambda model: calls.append(1) or real(model))
+    real = guard_module.state_finite
+    monkeypatch.setattr(guard_module, "state_finite", lambda opt, **kw: calls.append(1) or real(opt, **kw))
     journal: list = []
     manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
     run_steps(manager, objs, 4)
-    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one preflight each
+    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one check each
 
 
-def test_non_finite_parameters_block_every_tier_of_that_step():
+def test_non_finite_parameters_block_every_tier_of_that_step_and_skip_trains_on():
     journal: list = []
-    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2})
+    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2}, on_nonfinite="skip")
     run_steps(manager, objs, 1)
     with torch.no_grad():
         objs.model[0].weight[0, 0] = float("nan")
     run_steps(manager, objs, 1)
     assert saves(journal) == []  # the tiers were never asked
-    assert local.failures == [2] and global_.failures == [2]
+    assert manager.blocked_steps == [2] and local.failures == [] and global_.failures == []
     with torch.no_grad():
         objs.model[0].weight[0, 0] = 0.0
     run_steps(manager, objs, 2)
     assert saves(journal) == [("local", 4), ("global", 4)]
+
+
+def test_non_finite_moment_blocks_and_stop_raises_naming_the_step():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
+    objs.model[0].weight.sum().backward()
+    objs.optimizer.step()  # Adam state exists
+    objs.optimizer.state[objs.model[0].weight]["exp_avg_sq"][1, 1] = float("inf")
+    objs.train_state.step = 1
+    with pytest.raises(guard_module.NonFiniteError, match=r"step 2: .*optimizer moments on rank 0"):
+        run_steps(manager, objs, 1)
+    assert saves(journal) == []
 
 
 def test_a_failure_stops_the_run_only_when_configured():
