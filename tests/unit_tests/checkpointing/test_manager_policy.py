@@ -8,6 +8,7 @@ module with a real torch Adam: the guard runs for real on its parameters and mom
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +38,7 @@ class FakeTier:
         self.fail_at, self.close_error = set(fail_at), close_error
         self.in_flight, self.staging_bytes = 0, 0
         self.sealed: list[int] = []
+        self.captured: list[tuple] = []  # (step, best records of the TrainState the save captured)
         self.closed = False
 
     def claim(self, run_id):
@@ -57,6 +59,7 @@ class FakeTier:
     def save(self, objs, *, run_id):
         step = objs.train_state.step
         self.journal.append(("save", self.tier.value, step))
+        self.captured.append((step, [list(r) for r in objs.train_state.state_dict()["best_checkpoints"]]))
         if step in self.fail_at:
             self.failures.append(step)
             return None
@@ -221,3 +224,38 @@ def test_fresh_start_claims_every_tier_for_one_run_id():
     assert manager.resume(objs) is None
     run_id = objs.train_state.run_id
     assert run_id and [e for e in journal if e[0] == "claim"] == [("claim", "local", run_id), ("claim", "global", run_id)]
+
+
+def test_save_on_best_commits_the_candidate_into_every_tier_saving_at_that_step():
+    journal: list = []
+    manager, objs, local, global_ = make(journal, local={"interval": 4}, global_={"interval": 10},
+                                         save="/unused", keep_best_k=2, save_on_best=True)
+    objs.train_state.step = 4
+    assert manager.propose_best(objs, {"val_loss": 2.0})
+    assert objs.train_state.best_checkpoints == []  # proposed: nothing changed yet
+    manager.maybe_save(objs)
+    assert saves(journal) == [("local", 4), ("global", 4)]  # GLOBAL at once, beside LOCAL's interval
+    assert local.captured == global_.captured == [(4, [[4, 2.0]])]  # a LOCAL resume keeps the record
+    assert objs.train_state.best_checkpoints == [[4, 2.0]]  # sealed (the fake tier saves synchronously)
+    objs.train_state.step = 5
+    assert not manager.propose_best(objs, {"val_loss": math.nan})
+    manager.maybe_save(objs)
+    assert saves(journal)[-1] == ("global", 4)  # no candidate, no interval: nothing saved
+
+
+def test_a_save_blocked_or_failed_at_a_best_candidate_leaves_the_records_unchanged():
+    journal: list = []
+    manager, objs, _, global_ = make(journal, global_={"fail_at": [6]}, save="/unused", keep_best_k=2,
+                                     save_on_best=True, on_nonfinite="skip")
+    objs.train_state.best_checkpoints = [[2, 3.0]]
+    objs.train_state.step = 4
+    manager.propose_best(objs, {"val_loss": 2.0})
+    manager.guard.bad_steps = [3]  # a non-finite step in the interval
+    manager.maybe_save(objs)
+    assert saves(journal) == [] and manager.blocked_steps == [4]
+    assert objs.train_state.best_checkpoints == [[2, 3.0]] and manager.best.pending is None
+    objs.train_state.step = 6
+    manager.propose_best(objs, {"val_loss": 1.0})
+    manager.maybe_save(objs)
+    assert saves(journal) == [("global", 6)] and global_.captured == [(6, [[6, 1.0], [2, 3.0]])]
+    assert objs.train_state.best_checkpoints == [[2, 3.0]]  # the save failed: records unchanged
