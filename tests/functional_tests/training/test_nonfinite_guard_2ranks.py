@@ -71,3 +71,11 @@ def test_skip_trains_on_a_blocked_best_candidate_changes_nothing_and_the_next_cl
     assert int(best) == records[13][0][0]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["train_state"]["step"] == 13 and ranks[1]["train_state"]["best_checkpoints"] == records[13]
+    # Seen at the start of step 7 (after the boundary of 6) and of step 10 (after the blocked 9):
+    # the same records and best tracker on every rank, although 9's candidate was the best yet.
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+           if "val_loss" in r}
+    assert val[9] < min(val[3], val[6])  # the blocked candidate would have become the best
+    for r in ranks:
+        assert r["best_seen"]["10"] == r["best_seen"]["7"]
+        assert r["best_seen"]["7"]["tracker"] == str(records[6][0][0]) and r["best_seen"]["7"]["records"] == records[6]

@@ -71,6 +71,12 @@ def main() -> None:
             with torch.no_grad():
                 for p in captured["model"].parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 0.05 * (ts.step - noise_from + 1))
+        if cfg.checkpoint.keep_best_k:  # what the last boundary left: the live records, the best tracker
+            tracker = Path(cfg.checkpoint.save) / "best_checkpointed_iteration.txt"
+            record.setdefault("best_seen", {})[ts.step] = {
+                "records": [list(r) for r in ts.best_checkpoints],
+                "tracker": tracker.read_text().strip() if tracker.exists() else None,
+            }
         record["steps"].append(ts.step)
         record["losses"].append(result.loss)
         record["grad_norms"].append(result.grad_norm)
