@@ -79,9 +79,10 @@ def reduce_loss_across_ranks(losses_reduced: list[dict]) -> tuple[float, bool]:
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for item in losses_reduced:
             acc += item["lm loss"].to(acc)
-    local_finite = bool(torch.isfinite(acc).all())
+    local_finite = torch.isfinite(acc).all().to(acc).reshape(1)  # read with the sum: one device sync
     dist.all_reduce(acc)
-    return (float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")), local_finite
+    loss_sum, tokens, finite = torch.cat([acc, local_finite]).tolist()
+    return (loss_sum / tokens if tokens > 0 else float("nan")), bool(finite)
 
 
 def run_schedule(
