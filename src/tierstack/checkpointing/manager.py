@@ -250,7 +250,7 @@ class CheckpointManager:
             if handler.persistent:
                 self.best.settle(step)  # no GLOBAL checkpoint of this step: its candidate is spent
             return
-        if handler.persistent and self.best.enabled or self._commit_step == step:
+        if (handler.persistent and self.best.enabled) or self._commit_step == step:
             self._save_with_records(handler, objs)
         else:
             handler.save(objs, run_id=objs.train_state.run_id)
