@@ -180,7 +180,9 @@ def _agree(bad_steps: Iterable[int], state_bad: bool) -> torch.Tensor:
     if _dist.is_distributed():
         import torch.distributed as dist
 
-        t = table.to(_dist._device())
+        from tierstack import runtime
+
+        t = table.to(runtime.device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         table = t.cpu()
     return table
