@@ -280,3 +280,6 @@ def test_ls_marks_best_and_top_k_and_verify_checks_trackers_records_and_director
     shutil.rmtree(tmp_path / "iter_0000010")  # a record without its directory
     text, status = listing.verify(str(tmp_path))
     assert status == 1 and "DISAGREE: best record step 10 has no valid checkpoint directory" in text
+    (tmp_path / paths.TRACKER_ITERATION).write_text("40\n")  # a tracker naming no checkpoint
+    text, status = listing.verify(str(tmp_path))
+    assert status == 1 and "DISAGREE: latest_checkpointed_iteration.txt names '40', which is not a valid" in text
