@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tierstack.checkpointing import listing
+
 WORKER = Path(__file__).parents[1] / "training" / "worker.py"
 NOISE = {"TIERSTACK_TEST_NOISE_FROM": "7"}
 
@@ -36,7 +38,11 @@ def _launch(torchrun, out: Path, *extra: str) -> str:
 def _outcome(out: Path) -> dict:
     ckpt = out / "tiny" / "checkpoints"
     state = json.loads((out / "rank0.json").read_text())["train_state"]
+    text, status = listing.verify(str(ckpt))  # trackers, records and directories agree
+    assert status == 0, text
     return {
+        "marks": sorted((line.split()[1], line.split()[7]) for line in text.splitlines()
+                        if line.startswith("global") and line.split()[7] in ("best", "top-k")),
         "global": sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")),
         "local": sorted(p.name for p in (out / "tiny" / "local" / "0").iterdir() if p.name.endswith("_local.pt")),
         "best": (ckpt / "best_checkpointed_iteration.txt").read_text().strip(),
@@ -61,6 +67,7 @@ def test_two_best_and_the_latest_are_kept_and_a_resume_from_either_tier_decides_
     assert a["global"] == [f"iter_{s:07d}" for s in sorted(set(top2) | {12})]  # the two best and the latest
     assert a["best"] == str(low)
     assert a["local"] == ["iter_0000012_0_local.pt"]
+    assert a["marks"] == sorted([(str(low), "best"), (str(top2[1]), "top-k")])  # `tierstack checkpoints ls`
 
     b = tmp_path / "b"
     _launch(torchrun, b, "train.exit_interval=9")  # stops at 9: GLOBAL 9 (final), LOCAL 8
@@ -75,5 +82,6 @@ def test_two_best_and_the_latest_are_kept_and_a_resume_from_either_tier_decides_
     for out in (b, c):
         got = _outcome(out)
         assert got["global"] == a["global"] and got["best"] == a["best"] and got["local"] == a["local"]
+        assert got["marks"] == a["marks"]
         assert [s for s, _ in got["records"]] == top2
         assert [v for _, v in got["records"]] == pytest.approx([v for _, v in a["records"]], rel=1e-6)
