@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from tierstack.checkpointing import paths
-
-# metric name -> True when lower is better. Only metrics the training loop computes.
-METRICS = {"val_loss": True}
+from tierstack.config.sections import BEST_METRICS as METRICS  # metric name -> lower is better
 TRACKER_BEST = "best_checkpointed_iteration.txt"
 BEST_SUFFIX = ":best"
 

@@ -28,11 +28,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from tierstack.config.sections import ON_NONFINITE
 from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
-
-ON_NONFINITE = ("stop", "skip")
 
 
 class NonFiniteError(RuntimeError):

@@ -24,6 +24,9 @@ from tierstack.config.model_section import (  # noqa: F401 - re-exported: the mo
 )
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# checkpoint.best_metric: metric name -> lower is better (only metrics the training loop computes)
+BEST_METRICS = {"val_loss": True}
+ON_NONFINITE = ("stop", "skip")  # checkpoint.on_nonfinite
 TOKENIZER_TYPES = ("byte", "huggingface")
 
 
@@ -277,16 +280,12 @@ class CheckpointConfig(_Section):
             p.append(f"checkpoint.load={self.load}: not readable")
         return p
 
-
     def _best_problems(self) -> list[str]:
-        from tierstack.checkpointing.best import METRICS
-        from tierstack.checkpointing.nonfinite_guard import ON_NONFINITE
-
         p = []
         if self.keep_best_k < 0:
             p.append(f"checkpoint.keep_best_k={self.keep_best_k}: must be >= 0 (0 = off)")
-        if self.best_metric not in METRICS:
-            p.append(f"checkpoint.best_metric={self.best_metric!r}: unknown, use one of {sorted(METRICS)}")
+        if self.best_metric not in BEST_METRICS:
+            p.append(f"checkpoint.best_metric={self.best_metric!r}: unknown, use one of {sorted(BEST_METRICS)}")
         if self.keep_best_k > 0 and self.save is None:
             p.append("checkpoint.keep_best_k is set but checkpoint.save (GLOBAL directory) is not")
         if self.save_on_best and self.keep_best_k < 1:
