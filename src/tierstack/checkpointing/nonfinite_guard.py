@@ -169,22 +169,15 @@ class NonFiniteGuard:
 
 def _agree(bad_steps: Iterable[int], state_bad: bool) -> torch.Tensor:
     """One all-reduce (MAX) of a ``[world_size, 4]`` int64 table in which each rank fills its row:
-    first bad step, last bad step, number of bad steps, state non-finite (0/1)."""
+    first bad step, last bad step, number of bad steps, state non-finite (0/1). Inside the manager's
+    ``collective_timeout_s`` bound; a rank that is gone raises ``CollectiveError`` on every rank."""
     steps = sorted(bad_steps)
     world = _dist.world_size()
     table = torch.zeros(world, 4, dtype=torch.int64)
     if steps or state_bad:
         table[_dist.rank()] = torch.tensor([steps[0] if steps else 0, steps[-1] if steps else 0,
                                             len(steps), int(state_bad)])
-    if _dist.is_distributed():
-        import torch.distributed as dist
-
-        from tierstack import runtime
-
-        t = table.to(runtime.device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        table = t.cpu()
-    return table
+    return _dist.all_reduce_max_table(table)
 
 
 def _describe(table: torch.Tensor) -> str:
