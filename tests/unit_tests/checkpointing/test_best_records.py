@@ -72,3 +72,21 @@ def test_pretrained_best_resolves_through_the_tracker(tmp_path):
     (tmp_path / "best_checkpointed_iteration.txt").write_text("6\n")
     assert resolve_pretrained(f"{tmp_path}:best") == tmp_path / "iter_0000006"
     assert resolve_pretrained(str(tmp_path)) == tmp_path
+
+
+def test_publish_writes_the_best_tracker_with_the_latest_ones_and_a_refused_publish_none(tmp_path):
+    from tierstack.checkpointing.best import TRACKER_BEST
+    from tierstack.checkpointing.publish import publish_step
+
+    staging = tmp_path / paths.staging_dir_name(6, "r1", 1)
+    staging.mkdir()
+    (staging / paths.MANIFEST).write_text(json.dumps({"run_id": "r1"}))
+    publish_step(tmp_path, 6, staging, {"step": 6, "best_checkpoints": [[6, 1.0], [4, 1.5]]}, "r1")
+    assert (tmp_path / TRACKER_BEST).read_text() == "6\n"
+    assert (tmp_path / paths.TRACKER_ITERATION).read_text() == "6\n"
+    _global_dir(tmp_path, 8, run_id="other")  # another run's step 8 is in the way: refused, nothing changes
+    staging = tmp_path / paths.staging_dir_name(8, "r1", 1)
+    staging.mkdir()
+    with pytest.raises(FileExistsError):
+        publish_step(tmp_path, 8, staging, {"step": 8, "best_checkpoints": [[8, 0.5]]}, "r1")
+    assert (tmp_path / TRACKER_BEST).read_text() == "6\n" and (tmp_path / paths.TRACKER_ITERATION).read_text() == "6\n"
