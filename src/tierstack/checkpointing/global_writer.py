@@ -121,9 +121,18 @@ def discard_results(request) -> None:
 
 def _exit_when_orphaned() -> None:
     """Runs in the Manager's server process: exit once the rank that started it is gone (a rank
-    killed with SIGKILL cannot shut it down, and it would serve forever)."""
+    killed with SIGKILL cannot shut it down, and it would serve forever).
+
+    It also ignores SIGTERM and SIGINT: a scheduler's pre-emption notice (SLURM, ``timeout``, a
+    Ctrl-C) goes to every process of the job, and the rank turns it into a planned exit whose GLOBAL
+    save still needs this server; it ends with its rank (shutdown, or orphaned) instead.
+    """
     import os
+    import signal
     import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     parent = os.getppid()
 
