@@ -16,6 +16,8 @@ from tierstack.checkpointing import global_writer
 
 
 def test_results_channel_ignores_sigterm_and_sigint():
+    # A queue another test left (megatron's own Manager, without our initializer) would be reused.
+    global_writer.shutdown_results_channel()
     q = global_writer.start_results_channel()
     try:
         server = q._manager._process  # the Manager's server process (multiprocessing.Process)
