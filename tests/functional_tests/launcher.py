@@ -10,6 +10,9 @@ and the local layer spec even on a GPU machine and the suite means the same thin
 ``gpu`` lets the ranks see the GPUs (NCCL, transformer-engine when installed) and skips a test that
 starts more ranks than there are GPUs, with the reason (one rank needs one device).
 
+Counting: with ``TIERSTACK_TEST_LAUNCH_LOG=<file>`` set, every launch appends one line (ranks, test,
+script) to that file, so a suite run can report how many torchrun launches it made.
+
 Timeout: torchrun runs in its own process group (session); on timeout the whole group (torchrun,
 its ranks and anything they started) is killed, so no rank outlives the test.
 """
@@ -28,6 +31,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_ENV = "TIERSTACK_TEST_DEVICE"
 DEVICES = ("cpu", "gpu")
+LAUNCH_LOG_ENV = "TIERSTACK_TEST_LAUNCH_LOG"
 
 
 def chosen_device() -> str:
@@ -98,4 +102,16 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
     if env:
         full_env.update(env)
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), *map(str, args)]
+    _log_launch(nproc, args)
     return run_group(cmd, timeout=timeout, cwd=cwd or REPO, env=full_env)
+
+
+def _log_launch(nproc: int, args) -> None:
+    """Append ``<nproc>\t<current test>\t<script>`` to ``$TIERSTACK_TEST_LAUNCH_LOG`` when it is set."""
+    log = os.environ.get(LAUNCH_LOG_ENV)
+    if not log:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    script = Path(str(next(iter(args), "?"))).name
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"{nproc}\t{test}\t{script}\n")
