@@ -5,7 +5,7 @@ Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] 
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
 data, dropout 0.1, validation every 3 steps) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
-TrainState, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
+TrainState, validation losses by step, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
 ``OUT_DIR/params<r>.pt`` (final parameters of this rank).
 """
 
@@ -66,9 +66,10 @@ def hold_writers_until(release: Path, timeout_s: float = 200.0):
     local_file.write = held_local
 
 
-def hang_first_global_write(rank: int):
+def hang_first_global_write(rank: int, out: Path):
     """On ``rank``, the first GLOBAL write never returns (a hung file system): its writer thread
-    blocks for good; the other ranks write normally. Later writes are not held."""
+    blocks for good; the other ranks write normally. Later writes are not held. The hung write
+    creates ``out/hung_global_write_rank<rank>`` first, so the test sees the fault did run."""
     import threading
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -81,6 +82,8 @@ def hang_first_global_write(rank: int):
     def hung(*args, **kwargs):
         if first[0]:
             first[0] = False
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"hung_global_write_rank{rank}").touch()
             threading.Event().wait()  # never set
         return real_write(*args, **kwargs)
 
@@ -134,7 +137,7 @@ def main():
     release = None
     while args[:1] in (["--hold-writers"], ["--kill-during-local-write"], ["--hang-global-writer-on"]):
         if args[0] == "--hang-global-writer-on":
-            hang_first_global_write(int(args[1]))
+            hang_first_global_write(int(args[1]), out)
             args = args[2:]
         elif args[0] == "--hold-writers":
             release = out / "release_writers"
@@ -145,7 +148,7 @@ def main():
             args = args[2:]
     cfg = tiny_config(args)
     rank = int(os.environ["RANK"])
-    record = {"losses": {}, "tracker_after_step": {}, "param_sums": {}}
+    record = {"losses": {}, "val_losses": {}, "tracker_after_step": {}, "param_sums": {}}
     tracker = Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt" if cfg.checkpoint.save else None
 
     import torch
@@ -158,13 +161,28 @@ def main():
     real_setup = setup_mod.setup
 
     def spy_setup(c, **kwargs):
+        from megatron.core.utils import get_model_config
+
         s = real_setup(c, **kwargs)
         captured["s"] = s
+        # production wiring, never patched here: DP reduction and PP tied embeddings depend on it
+        record["grad_finalization_wired"] = get_model_config(s.model[0]).finalize_model_grads_func is not None
         record["param_sums"]["resume"] = _param_sums(s.model)
         record["optim_sums"] = {"resume": _optim_sums(s.optimizer)}
         return s
 
     setup_mod.setup = spy_setup
+
+    from tierstack.training import train as train_mod
+
+    real_evaluate = train_mod.evaluate
+
+    def spy_evaluate(*a, **kw):  # validation losses by step: an exact resume repeats them too
+        loss = real_evaluate(*a, **kw)
+        record["val_losses"][captured["step"]] = float(loss).hex()
+        return loss
+
+    train_mod.evaluate = spy_evaluate
 
     from tierstack.checkpointing import CheckpointManager, CheckpointTier
 
@@ -178,6 +196,7 @@ def main():
 
     def on_step(ts, result):
         record["losses"][str(ts.step)] = float(result.loss).hex()
+        captured["step"] = str(ts.step)
         if tracker is not None:
             record["tracker_after_step"][str(ts.step)] = tracker.read_text().strip() if tracker.exists() else None
         s = captured["s"]

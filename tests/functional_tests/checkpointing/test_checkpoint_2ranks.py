@@ -4,6 +4,7 @@ Each scenario launches ``ckpt_worker.py`` (tierstack.pretrain on a tiny GPT) one
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def launch(out: Path, *overrides: str, hold_writers: bool = False, kill_during_l
     records = []
     for r in range(2):
         rec = json.loads((out / f"rank{r}.json").read_text())
+        assert rec["grad_finalization_wired"], "setup did not wire megatron's finalize_model_grads"
         rec["params"] = torch.load(out / f"params{r}.pt")
         rec["log"] = proc.stdout + proc.stderr
         records.append(rec)
@@ -44,9 +46,13 @@ def launch(out: Path, *overrides: str, hold_writers: bool = False, kill_during_l
 
 
 def assert_same_run(straight: list[dict], resumed: list[dict], from_step: int) -> None:
+    """Bit-identical losses, validation losses (the worker validates every 3 steps, dropout on),
+    parameters and counters after ``from_step``."""
     for a, b in zip(straight, resumed):
         expected = {k: v for k, v in a["losses"].items() if int(k) > from_step}
         assert b["losses"] == expected  # float hex: bit-identical
+        expected_val = {k: v for k, v in a["val_losses"].items() if int(k) > from_step}
+        assert expected_val and b["val_losses"] == expected_val
         assert a["params"].keys() == b["params"].keys()
         for k in a["params"]:
             assert torch.equal(a["params"][k], b["params"][k]), k
@@ -55,10 +61,20 @@ def assert_same_run(straight: list[dict], resumed: list[dict], from_step: int) -
 
 
 @pytest.fixture(scope="module")
-def tp2_run(tmp_path_factory):
-    """TP=2, 8 steps straight, both tiers saved at 4 and 8 (shared by the resharding test)."""
+def tp2_pristine(tmp_path_factory):
+    """TP=2, 8 steps straight, both tiers saved at 4 and 8, run once per module (never modified)."""
     root = tmp_path_factory.mktemp("tp2")
     return root, _straight(root, TOPOLOGIES["tp2"])
+
+
+@pytest.fixture
+def tp2_run(tp2_pristine, tmp_path):
+    """This test's own copy of :func:`tp2_pristine`'s checkpoints (both tiers): what a test's
+    launches save or quarantine there never reaches another test, whatever the test order."""
+    root, records = tp2_pristine
+    for tier in ("global", "local"):
+        shutil.copytree(root / tier, tmp_path / tier, symlinks=True)
+    return tmp_path, records
 
 
 def _straight(root: Path, topo: list[str]) -> list[dict]:
@@ -97,14 +113,26 @@ def test_exact_resume_from_each_tier(topology, tp2_run, tmp_path):
 
 @pytest.mark.slow
 def test_tp_change_skips_local_and_reshards_global(tp2_run):
-    """Checkpoints written at TP=2 (non-distributed optimizer) resume at PP=2: LOCAL is skipped."""
+    """Checkpoints written at TP=2 (non-distributed optimizer) resume at PP=2: LOCAL is skipped, and
+    the resharded run computes what a continuation at TP=2 from the same checkpoint computes:
+    losses of steps 9 and 10 and the validation loss of step 9 within relative 1e-5 (dropout off in
+    both continuations, so only the layout differs)."""
     root, _ = tp2_run
-    out = launch(root / "pp2", "distributed.pipeline_model_parallel_size=2", "train.train_iters=10",
-                 f"checkpoint.load={root}/global", f"checkpoint.local_dir={root}/local")
+    common = ["train.train_iters=10", f"checkpoint.load={root}/global", "model.hidden_dropout=0.0",
+              "model.attention_dropout=0.0"]
+    out = launch(root / "pp2", "distributed.pipeline_model_parallel_size=2", *common,
+                 f"checkpoint.local_dir={root}/local")
     assert out[0]["resume"]["tier"] == "global" and out[0]["resume"]["step"] == 8
     assert "skipping local checkpoint of step 8 (topology-changed)" in out[0]["log"]
     assert out[0]["train_state"]["step"] == 10 and out[0]["train_state"]["consumed_train_samples"] == 40
-    assert all(abs(float.fromhex(v)) < 10 for v in out[0]["losses"].values())
+    same_layout = launch(root / "tp2", *TOPOLOGIES["tp2"], *common)
+    assert same_layout[0]["resume"]["tier"] == "global" and same_layout[0]["resume"]["step"] == 8
+    for key, steps in (("losses", ["9", "10"]), ("val_losses", ["9"])):
+        ref = {k: float.fromhex(v) for k, v in same_layout[0][key].items()}
+        got = {k: float.fromhex(v) for k, v in out[0][key].items()}
+        assert sorted(ref, key=int) == sorted(got, key=int) == steps, (key, ref, got)
+        for k in steps:
+            assert got[k] == pytest.approx(ref[k], rel=1e-5), (key, k)
 
 
 def _files(root: Path, pattern: str) -> dict[str, bytes]:
