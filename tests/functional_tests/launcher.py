@@ -11,7 +11,7 @@ and the local layer spec even on a GPU machine and the suite means the same thin
 starts more ranks than there are GPUs, with the reason (one rank needs one device).
 
 Counting: with ``TIERSTACK_TEST_LAUNCH_LOG=<file>`` set, every launch appends one line (ranks, test,
-script) to that file, so a suite run can report how many torchrun launches it made.
+script; ``python`` for a 1-rank :func:`run_python`) to that file, so a suite run can report how many torchrun launches it made.
 
 Timeout: torchrun runs in its own process group (session); on timeout the whole group (torchrun,
 its ranks and anything they started) is killed, so no rank outlives the test.
@@ -106,12 +106,31 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
     return run_group(cmd, timeout=timeout, cwd=cwd or REPO, env=full_env)
 
 
-def _log_launch(nproc: int, args) -> None:
-    """Append ``<nproc>\t<current test>\t<script>`` to ``$TIERSTACK_TEST_LAUNCH_LOG`` when it is set."""
+def run_python(args, *, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """Run ``python <args...>`` as one rank (no torchrun): for scenarios that need no second rank.
+
+    tierstack's ``initialize_distributed`` makes a plain ``python`` process a 1-rank group on a free
+    local port (no ``RANK``/``WORLD_SIZE`` in the environment: they are removed here). Arguments,
+    timeout (process-group kill), cwd and env as in :func:`run_torchrun`; logged as ``python``
+    launches under ``$TIERSTACK_TEST_LAUNCH_LOG``.
+    """
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    full_env.update(device_env(1))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    _log_launch(1, args, launcher="python")
+    return run_group([sys.executable, *map(str, args)], timeout=timeout, cwd=cwd or REPO, env=full_env)
+
+
+def _log_launch(nproc: int, args, launcher: str = "torchrun") -> None:
+    """Append ``<nproc>\t<current test>\t<script>[\t<launcher>]`` to ``$TIERSTACK_TEST_LAUNCH_LOG`` when set."""
     log = os.environ.get(LAUNCH_LOG_ENV)
     if not log:
         return
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
     script = Path(str(next(iter(args), "?"))).name
     with open(log, "a", encoding="utf-8") as f:
-        f.write(f"{nproc}\t{test}\t{script}\n")
+        f.write(f"{nproc}\t{test}\t{script}" + ("" if launcher == "torchrun" else f"\t{launcher}") + "\n")

@@ -1,10 +1,11 @@
-"""One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``.
+"""One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``
+(or as a plain 1-rank ``python`` process where a scenario needs no second rank).
 
 Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] [--hang-global-writer-on RANK]
     [section.field=value ...]
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
-data, dropout 0.1, validation every 3 steps) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
+data, dropout 0.1, validation every 3 steps) and writes ``OUT_DIR/rank<r>.json`` (per-step losses and grad norms as float hex, resume info, final
 TrainState, validation losses by step, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
 ``OUT_DIR/params<r>.pt`` (final parameters of this rank).
 """
@@ -74,7 +75,7 @@ def hang_first_global_write(rank: int, out: Path):
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    if int(os.environ["RANK"]) != rank:
+    if int(os.environ.get("RANK", "0")) != rank:
         return
     real_write = FileSystemWriterAsync.write_preloaded_data
     first = [True]
@@ -147,8 +148,8 @@ def main():
             kill_during_local_write(int(args[1]))
             args = args[2:]
     cfg = tiny_config(args)
-    rank = int(os.environ["RANK"])
-    record = {"losses": {}, "val_losses": {}, "tracker_after_step": {}, "param_sums": {}}
+    rank = int(os.environ.get("RANK", "0"))  # a plain `python` launch is a 1-rank run
+    record = {"losses": {}, "grad_norms": {}, "val_losses": {}, "tracker_after_step": {}, "param_sums": {}}
     tracker = Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt" if cfg.checkpoint.save else None
 
     import torch
@@ -196,6 +197,7 @@ def main():
 
     def on_step(ts, result):
         record["losses"][str(ts.step)] = float(result.loss).hex()
+        record["grad_norms"][str(ts.step)] = float(result.grad_norm).hex()
         captured["step"] = str(ts.step)
         if tracker is not None:
             record["tracker_after_step"][str(ts.step)] = tracker.read_text().strip() if tracker.exists() else None
