@@ -56,7 +56,7 @@ def main() -> None:
     inf_loss_at = int(os.environ.get("TIERSTACK_TEST_INF_LOSS_AT", "0"))  # the loss report only (transient)
     # Validation loss goes down, then up: from this step on, each step adds noise to the weights.
     noise_from = int(os.environ.get("TIERSTACK_TEST_NOISE_FROM", "0"))
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))  # a plain `python` launch is a 1-rank run
     captured = {"done": 0}
 
     def on_step(ts, result):
