@@ -109,14 +109,14 @@ def _straight(root: Path, topo: list[str]) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_exact_resume_from_each_tier(topology, tp2_run, tmp_path):
+def test_exact_resume_from_each_tier(topology, request, tmp_path):
     """N steps straight vs resume at N/2 and N/2 more: identical losses and parameters, both tiers.
 
     The straight run saved step 4 in both tiers; ``ckpt_step=4`` in a new process is the stop and
     resume at N/2 (the schedule length is fixed by scheduler.lr_decay_iters=8).
     """
-    if topology == "tp2":
-        root, straight = tp2_run
+    if topology == "tp2":  # the module's TP=2 run (a copy in tmp_path), shared with the reshard test
+        root, straight = request.getfixturevalue("tp2_run")
     else:
         root, straight = tmp_path, _straight(tmp_path, TOPOLOGIES[topology])
     topo = TOPOLOGIES[topology]
