@@ -79,6 +79,8 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
         count.put(i)
         FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
         _idx, out = local.get()
+        if isinstance(out, OSError) and out.filename is None:
+            out.filename = str(bucket[0])  # a stream's write error carries no path: name the file
         if isinstance(out, Exception):
             raise out
         results[i] = out
