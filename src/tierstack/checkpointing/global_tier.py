@@ -351,7 +351,19 @@ class GlobalTier(StagedTier):
             problem = manifest.check_manifest(man, step=step)
             foreign = man is not None and run_id is not None and man.get("run_id") != run_id
             out.append(Candidate(self.tier, step, p, man, problem or ("other-run" if foreign else None), foreign))
+        self._warn_tracker_without_step({c.step for c in out})
         return out
+
+    def _warn_tracker_without_step(self, steps: set) -> None:
+        """Rank 0: a tracker naming a step with no directory (deleted by hand, lost with a volume)
+        is said, not silently ignored; resume still takes the newest valid checkpoint there is."""
+        tracker = self.load_root / paths.TRACKER_ITERATION
+        if _dist.rank() != 0 or not tracker.exists():
+            return
+        named = tracker.read_text(errors="replace").strip()
+        if not named.isdigit() or int(named) not in steps:
+            log.warning("%s names step %s, but %s holds no checkpoint of that step (removed or lost?); "
+                        "resume takes the newest valid checkpoint there is", tracker, named, self.load_root)
 
     def verify(self, cand: Candidate) -> Optional[str]:
         """This rank's share of the file checks (sizes and checksums, split over ranks)."""
