@@ -5,7 +5,8 @@ Everything is measured in one run, on the same model + optimizer state, on every
 
 1. Limits: ``copy_`` of the state size into a preallocated buffer (what a snapshot costs at least),
    durable write (write + fsync) into the save directory, cold read (page cache evicted with
-   ``posix_fadvise(DONTNEED)``), and the bytes of model + optimizer state per rank.
+   ``posix_fadvise(DONTNEED)``), and the bytes of model + optimizer state per rank. Beside them the
+   non-finite guard's check per checkpoint boundary, as a ratio to the copy.
 2. Ours (``CheckpointManager``): blocking time of a GLOBAL sync save, a GLOBAL async save, a LOCAL
    save (on the save directory's disk and on a tmpfs, ``/dev/shm``); the time to durable (written,
    fsync'd, sealed on every rank; GLOBAL: published); for each background save, the extra time of the
@@ -265,6 +266,28 @@ def measure_limits(b: Bench, reps: int) -> dict[str, list[float]]:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ guard
+def measure_guard(b: Bench, reps: int) -> dict[str, list[float]]:
+    """The non-finite guard's cost per checkpoint boundary (:meth:`NonFiniteGuard.check`: the fp32
+    main parameters and Adam moments of this rank, one all-reduce), beside the check it replaced
+    (per-tensor max and min of every parameter and gradient, one all-reduce)."""
+    from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard
+    from tierstack.runtime import collectives
+
+    guard = NonFiniteGuard("skip")
+
+    def previous_preflight() -> bool:
+        ext = [x for c in b.objs.model for p in c.parameters() for t in (p, getattr(p, "main_grad", p.grad))
+               if t is not None and t.numel() for x in (t.detach().amax().float(), t.detach().amin().float())]
+        return collectives.all_true(bool(torch.isfinite(torch.stack(ext)).all()))
+
+    out: dict[str, list[float]] = {"guard": [], "preflight": []}
+    for i in range(reps):
+        out["guard"].append(timed(lambda: guard.check(-1 - i, b.objs.optimizer))[0])  # a new step: no cached verdict
+        out["preflight"].append(timed(previous_preflight)[0])
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ ours
 def measure_global_sync(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
     from tierstack.checkpointing import CheckpointTier
@@ -417,7 +440,7 @@ def fmt_row(name: str, xs: Optional[list[float]], nbytes: int, limit: Optional[f
     return cols
 
 
-def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss) -> None:
+def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss, guard) -> None:
     if rank() != 0:
         return
     total = b.total_state_bytes
@@ -440,6 +463,8 @@ def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss) -> None:
         ("(clone into fresh memory)", lim["clone"], memcpy, None, ""),
         ("limit: write + fsync", lim["write"], None, None, ""),
         ("limit: cold read", lim["read_cold"], None, None, ""),
+        ("non-finite guard per boundary", guard["guard"], memcpy, None, ""),
+        ("(previous preflight, max+min)", guard["preflight"], memcpy, None, ""),
         ("GLOBAL sync: blocking (=durable)", gs["blocking"], write, pd, best_dur),
         ("GLOBAL async: blocking", ga["blocking"], memcpy, pb, best_block),
         ("GLOBAL async: to durable", ga["durable"], write, pd, best_dur),
@@ -458,7 +483,11 @@ def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss) -> None:
         rows.append((f"peer {name}: durable", res["durable"], write, None, ""))
     for name, xs, limit, peer, pname in rows:
         print(fmt_row(name, xs, total, limit, peer, pname))
-    print("\nlimit column: copy_ for blocking times, warm resumes and tmpfs, write+fsync for durable times, cold "
+    print("\nnon-finite guard: its check at one checkpoint boundary (fp32 main parameters and Adam moments of "
+          "each rank, one all-reduce), /limit = its ratio to the copy_ of the state; the previous preflight "
+          "(max+min of every parameter and gradient) beside it. Per step the guard reads only the loss and "
+          "megatron's gradient norm.")
+    print("limit column: copy_ for blocking times, warm resumes and tmpfs, write+fsync for durable times, cold "
           "read for cold resumes; peer column: the fastest peer on the same figure. tmpfs: "
           f"{b.tmpfs}. Durable: written, fsync'd and sealed on every rank (GLOBAL: published).")
     for name, res in (("GLOBAL async", ga), ("LOCAL", lo), ("LOCAL on tmpfs", lt)):
@@ -586,6 +615,7 @@ def main() -> int:
     else:
         G, L = CheckpointTier.GLOBAL, CheckpointTier.LOCAL
         lim = measure_limits(b, args.reps)
+        guard = measure_guard(b, args.reps)
         gs = measure_global_sync(b, mgrs["global-sync"], args.reps)
         mgrs["global-sync"].close()
         ga = measure_async(b, mgrs["global-async"], G, args.reps, args.max_async_steps)
@@ -601,7 +631,7 @@ def main() -> int:
         peers = measure_peers(b, args.reps)
         rg = measure_resume(b, cfgs["resume-global"], [Path(cfg.checkpoint.save)], args.reps, G)
         rl = measure_resume(b, cfgs["resume-local"], [Path(cfg.checkpoint.local_dir)], args.reps, L)
-        report(b, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss)
+        report(b, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss, guard)
     for m in mgrs.values():
         m.close()
     remove(b.tmpfs)

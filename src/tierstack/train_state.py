@@ -31,6 +31,9 @@ class TrainState:
         run_id: identifier of the run family; checkpoints of another run are never loaded.
         experiment_run_id: the experiment tracker's run id (mlflow), so a resume continues its curves.
         resumed_from: steps at which this run was resumed (for plots and logs).
+        best_checkpoints: the top-K GLOBAL checkpoints by ``checkpoint.best_metric``, committed
+            with the GLOBAL save that carries them: ``[[step, value], ...]``, best first
+            (:mod:`tierstack.checkpointing.best`). Empty when ``keep_best_k`` is 0.
     """
 
     step: int = 0
@@ -41,11 +44,13 @@ class TrainState:
     run_id: str = ""
     experiment_run_id: Optional[str] = None
     resumed_from: list = field(default_factory=list)
+    best_checkpoints: list = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain python values only (no tensors), safe for ``torch.load(weights_only=True)``."""
         d = dataclasses.asdict(self)
         d["resumed_from"] = list(self.resumed_from)
+        d["best_checkpoints"] = [[int(s), float(v)] for s, v in self.best_checkpoints]
         return d
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -61,6 +66,8 @@ class TrainState:
         if unknown:
             raise KeyError(f"TrainState: unknown keys {sorted(unknown)} in checkpoint")
         for k, v in state.items():
+            if k == "best_checkpoints":
+                v = [[int(s), float(m)] for s, m in v]
             setattr(self, k, list(v) if k == "resumed_from" else v)
 
     @classmethod

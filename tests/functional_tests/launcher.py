@@ -10,6 +10,9 @@ and the local layer spec even on a GPU machine and the suite means the same thin
 ``gpu`` lets the ranks see the GPUs (NCCL, transformer-engine when installed) and skips a test that
 starts more ranks than there are GPUs, with the reason (one rank needs one device).
 
+Counting: with ``TIERSTACK_TEST_LAUNCH_LOG=<file>`` set, every launch appends one line (ranks, test,
+script; ``python`` for a 1-rank :func:`run_python`) to that file, so a suite run can report how many torchrun launches it made.
+
 Timeout: torchrun runs in its own process group (session); on timeout the whole group (torchrun,
 its ranks and anything they started) is killed, so no rank outlives the test.
 """
@@ -29,6 +32,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 REPO = Path(__file__).resolve().parents[2]
 DEVICE_ENV = "TIERSTACK_TEST_DEVICE"
 DEVICES = ("cpu", "gpu")
+LAUNCH_LOG_ENV = "TIERSTACK_TEST_LAUNCH_LOG"
 
 
 def chosen_device() -> str:
@@ -109,6 +113,7 @@ def run_torchrun(args, *, nproc: int = 2, timeout: float = 300, cwd=None, env=No
         full_env.update(env)
     program = TORCHRUN if launcher == "torchrun" else TORCHRUN.with_name(launcher)
     cmd = [str(program), "--standalone", "--nproc-per-node", str(nproc), *map(str, launcher_args), *map(str, args)]
+    _log_launch(nproc, args, launcher=launcher)
     return run_group(cmd, timeout=timeout, cwd=cwd or REPO, env=full_env)
 
 
@@ -132,4 +137,35 @@ def run_nodes(args, *, nodes: int = 2, nproc: int = 1, max_restarts: int = 0, ti
     if env:
         full_env.update(env)
     cmd = ["bash", str(LAUNCH_NODES), "--max-restarts", str(max_restarts), str(nodes), str(nproc), *map(str, args)]
+    _log_launch(nodes * nproc, args, launcher="launch_nodes.sh")
     return run_group(cmd, timeout=timeout, cwd=REPO, env=full_env)
+
+
+def run_python(args, *, timeout: float = 300, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """Run ``python <args...>`` as one rank (no torchrun): for scenarios that need no second rank.
+
+    tierstack's ``initialize_distributed`` makes a plain ``python`` process a 1-rank group on a free
+    local port (no ``RANK``/``WORLD_SIZE`` in the environment: they are removed here). Arguments,
+    timeout (process-group kill), cwd and env as in :func:`run_torchrun`; logged as ``python``
+    launches under ``$TIERSTACK_TEST_LAUNCH_LOG``.
+    """
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    full_env.update(device_env(1))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    _log_launch(1, args, launcher="python")
+    return run_group([sys.executable, *map(str, args)], timeout=timeout, cwd=cwd or REPO, env=full_env)
+
+
+def _log_launch(nproc: int, args, launcher: str = "torchrun") -> None:
+    """Append ``<nproc>\t<current test>\t<script>[\t<launcher>]`` to ``$TIERSTACK_TEST_LAUNCH_LOG`` when set."""
+    log = os.environ.get(LAUNCH_LOG_ENV)
+    if not log:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    script = Path(str(next(iter(args), "?"))).name
+    with open(log, "a", encoding="utf-8") as f:
+        f.write(f"{nproc}\t{test}\t{script}" + ("" if launcher == "torchrun" else f"\t{launcher}") + "\n")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from tierstack.checkpointing import (
-    compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
+    best, compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
 )
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.global_reader import GlobalReader
@@ -263,20 +263,21 @@ class GlobalTier(StagedTier):
 
         retry.run_agreed(publish_on_rank0)
 
-    def _after_publish(self, step: int, run_id: str, blocked_s: float) -> None:
+    def _after_publish(self, step: int, run_id: str, blocked_s: float, train_state: dict) -> None:
         path = self.save_root / paths.step_dir_name(step)
         man = paths.read_json(path / paths.MANIFEST) if _dist.rank() == 0 else None
         size = _dist.broadcast_object(int(man["bytes"]) if man else 0)
         log.info("GLOBAL checkpoint of step %d published at %s (%d bytes, blocked %.2fs)", step, path, size, blocked_s)
         if _dist.rank() == 0:
-            try:
-                retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k)
+            try:  # the top-K records published with this checkpoint protect their steps
+                retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k,
+                                       best.protected_steps(train_state))
                 budget = self.cfg.quarantine_budget_bytes
                 retention.prune_quarantined(self.save_root, size if budget is None else budget)
             except OSError as e:  # retention never fails a save
                 log.warning("GLOBAL retention after step %d failed: %s", step, e)
         self.published.append(step)
-        self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s))
+        self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s, train_state))
 
     # ------------------------------------------------------------------ finalize
     def finalize(self, blocking: bool) -> None:
@@ -309,7 +310,7 @@ class GlobalTier(StagedTier):
             self.failures.append(job.step)
             return
         self.last_durable_s = time.perf_counter() - job.started
-        self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0)
+        self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0, job.train_state)
 
     def _finalize_attempts(self, job: _InFlight) -> None:
         """Collective: megatron's finalize, seal and publish, retried together on a transient error."""
@@ -353,7 +354,19 @@ class GlobalTier(StagedTier):
             problem = manifest.check_manifest(man, step=step)
             foreign = man is not None and run_id is not None and man.get("run_id") != run_id
             out.append(Candidate(self.tier, step, p, man, problem or ("other-run" if foreign else None), foreign))
+        self._warn_tracker_without_step({c.step for c in out})
         return out
+
+    def _warn_tracker_without_step(self, steps: set) -> None:
+        """Rank 0: a tracker naming a step with no directory (deleted by hand, lost with a volume)
+        is said, not silently ignored; resume still takes the newest valid checkpoint there is."""
+        tracker = self.load_root / paths.TRACKER_ITERATION
+        if _dist.rank() != 0 or not tracker.exists():
+            return
+        named = tracker.read_text(errors="replace").strip()
+        if not named.isdigit() or int(named) not in steps:
+            log.warning("%s names step %s, but %s holds no checkpoint of that step (removed or lost?); "
+                        "resume takes the newest valid checkpoint there is", tracker, named, self.load_root)
 
     def verify(self, cand: Candidate) -> Optional[str]:
         """This rank's share of the file checks (sizes and checksums, split over ranks)."""

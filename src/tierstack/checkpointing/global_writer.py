@@ -79,6 +79,8 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
         count.put(i)
         FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
         _idx, out = local.get()
+        if isinstance(out, OSError) and out.filename is None:
+            out.filename = str(bucket[0])  # a stream's write error carries no path: name the file
         if isinstance(out, Exception):
             raise out
         results[i] = out
@@ -126,9 +128,17 @@ def _exit_when_orphaned() -> None:
 
     Not ``prctl(PR_SET_PDEATHSIG)``: that signal follows the *thread* that started the process, and
     the Manager is started by a short-lived warm-up thread.
+
+    It also ignores SIGTERM and SIGINT: a scheduler's pre-emption notice (SLURM, ``timeout``, a
+    Ctrl-C) goes to every process of the job, and the rank turns it into a planned exit whose GLOBAL
+    save still needs this server; it ends with its rank (shutdown, or orphaned) instead.
     """
     import os
+    import signal
     import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     parent = os.getppid()
 

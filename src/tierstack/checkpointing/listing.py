@@ -6,6 +6,12 @@ PATH may be a GLOBAL root (``checkpoint.save``), one GLOBAL step directory, a LO
 Both return ``(text, exit_status)``: 0 every published checkpoint is whole, 1 a published one is
 damaged (files, or directory name, manifest and embedded TrainState disagree on the step), 2 nothing
 found. Leftovers of interrupted saves and quarantined checkpoints are listed, never counted invalid.
+
+GLOBAL rows show the best metric each checkpoint was recorded with (``checkpoint.keep_best_k``) and
+mark the best (``best``) and the rest of the top-K (``top-k``) as the latest checkpoint's TrainState
+records them. ``verify`` also checks that the trackers, those records and the directories agree:
+the ``latest`` tracker names a valid checkpoint (whose TrainState holds the records), the ``best``
+tracker names the best record, and every record names a valid checkpoint (status 1 otherwise).
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from tierstack.checkpointing import manifest, paths
+from tierstack.checkpointing import best, manifest, paths
 
-_HEADER = ("tier", "step", "size", "files", "valid", "consumed", "run", "path / problem")
+_HEADER = ("tier", "step", "size", "files", "valid", "consumed", "metric", "mark", "run", "path / problem")
 
 
 def ls(path: str) -> tuple[str, int]:
@@ -64,36 +70,91 @@ def _step_disagreement(d: Path, man: dict, step: int, deep: bool) -> Optional[st
 
 
 def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: Optional[dict], where: str,
-         kind: Optional[str] = None) -> tuple:
-    """``kind`` marks what is not a published checkpoint (leftover, quarantined): never counted invalid."""
+         kind: Optional[str] = None, metric: str = "-", mark: str = "") -> tuple:
+    """``kind`` marks what is not a published checkpoint (leftover, quarantined): never counted invalid.
+    ``metric``/``mark``: the best metric recorded for the step, and ``best``/``top-k``."""
     ts = (man or {}).get("train_state", {})
     return (
         tier, str(step), _human(size), str(nfiles), kind or ("yes" if problem is None else "NO"),
-        str(ts.get("consumed_train_samples", "-")), str((man or {}).get("run_id", "-")),
+        str(ts.get("consumed_train_samples", "-")), metric, mark, str((man or {}).get("run_id", "-")),
         where if problem is None else f"{where}: {problem}",
     )
 
 
-def _global_rows(root: Path, checksums: bool) -> list[tuple]:
-    dirs = [root] if (root / paths.MANIFEST).exists() else sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")),
-        key=lambda p: (paths.parse_step_dir(p.name.split(".")[0]) or -1, p.name),
-    )
-    rows = []
-    for d in dirs:
+def _global_dirs(root: Path) -> list[Path]:
+    if (root / paths.MANIFEST).exists():
+        return [root]
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")),
+                  key=lambda p: (paths.parse_step_dir(p.name.split(".")[0]) or -1, p.name))
+
+
+def _global_rows(root: Path, checksums: bool) -> tuple[list[tuple], dict[int, dict]]:
+    """The rows, and the manifests of the valid published checkpoints by step."""
+    entries, valid = [], {}
+    for d in _global_dirs(root):
         step = paths.parse_step_dir(d.name)
         man = paths.read_json(d / paths.MANIFEST)
         if step is None:  # leftover of an interrupted save, or quarantined: listed, not a checkpoint
             kind = "leftover" if paths.is_leftover(d.name) else "quarantined" if ".invalid-" in d.name else "other"
-            rows.append(_row("global", d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name, kind))
+            entries.append((d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name, kind))
             continue
         problem = manifest.check_manifest(man, step=step)
         if problem is None:
             problem = manifest.check_files(d, man["files"], checksums=checksums) or _step_disagreement(
                 d, man, step, checksums)
+        if problem is None:
+            valid[step] = man
         files = (man or {}).get("files", {})
-        rows.append(_row("global", step, int((man or {}).get("bytes", 0)), len(files), problem, man, d.name))
-    return rows
+        entries.append((step, int((man or {}).get("bytes", 0)), len(files), problem, man, d.name, None))
+    records, metric = _records(root, valid)
+    top = {s: ("best" if i == 0 else "top-k") for i, (s, _) in enumerate(records)}
+    rows = []
+    for step, size, nfiles, problem, man, where, kind in entries:
+        key = step if kind is None else None
+        value = f"{metric[key]:.4f}" if key in metric else "-"
+        rows.append(_row("global", step, size, nfiles, problem, man, where, kind, value, top.get(key, "")))
+    return rows, valid
+
+
+def _latest_step(root: Path, valid: dict[int, dict]) -> Optional[int]:
+    """The step the ``latest`` tracker names when it is a valid checkpoint, else the newest valid one
+    (a run resumed with ``ckpt_step`` leaves newer checkpoints beside the one it publishes)."""
+    tracker = root / paths.TRACKER_ITERATION
+    text = tracker.read_text().strip() if tracker.exists() else ""
+    if text.isdigit() and int(text) in valid:
+        return int(text)
+    return max(valid) if valid else None
+
+
+def _records(root: Path, valid: dict[int, dict]) -> tuple[list, dict[int, float]]:
+    """The latest checkpoint's top-K records, and every step's recorded metric (any manifest)."""
+    metric: dict[int, float] = {}
+    for step in paths.sorted_steps(valid):
+        for s, v in valid[step].get("train_state", {}).get("best_checkpoints") or []:
+            metric[int(s)] = float(v)
+    latest = _latest_step(root, valid)
+    records = valid[latest].get("train_state", {}).get("best_checkpoints") or [] if latest is not None else []
+    return [[int(s), float(v)] for s, v in records], metric
+
+
+def _agreement(root: Path, valid: dict[int, dict]) -> list[str]:
+    """Where the trackers, the latest TrainState's records and the directories disagree."""
+    problems = []
+    tracker = root / paths.TRACKER_ITERATION
+    latest_text = tracker.read_text().strip() if tracker.exists() else None
+    if latest_text is not None and not (latest_text.isdigit() and int(latest_text) in valid):
+        problems.append(f"{paths.TRACKER_ITERATION} names {latest_text!r}, which is not a valid checkpoint here")
+    records, _ = _records(root, valid)
+    best_file = root / best.TRACKER_BEST
+    best_text = best_file.read_text().strip() if best_file.exists() else None
+    if records and best_text != str(records[0][0]):
+        problems.append(f"{best.TRACKER_BEST} names {best_text}, the records' best is step {records[0][0]}")
+    if best_text is not None and not records:
+        problems.append(f"{best.TRACKER_BEST} names {best_text} but the latest checkpoint records no best")
+    for s, _ in records:
+        if s not in valid:
+            problems.append(f"best record step {s} has no valid checkpoint directory")
+    return problems
 
 
 def _local_rows(root: Path, checksums: bool) -> list[tuple]:
@@ -140,13 +201,21 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     if not path.is_dir():
         return f"{path}: not a directory", 2
     is_local = any(p.is_dir() and p.name.isdigit() for p in path.iterdir())
-    rows = _local_rows(path, checksums) if is_local else _global_rows(path, checksums)
+    disagree: list[str] = []
+    if is_local:
+        rows = _local_rows(path, checksums)
+    else:
+        rows, valid = _global_rows(path, checksums)
+        if checksums and not (path / paths.MANIFEST).exists():  # a tier root, not one step directory
+            disagree = _agreement(path, valid)
     if not rows:
         return f"{path}: no checkpoints", 2
     lines = [f"{path} ({'LOCAL' if is_local else 'GLOBAL'} tier)"]
     tracker = path / paths.TRACKER_ITERATION
     if tracker.exists():
         lines.append(f"tracker: latest step {tracker.read_text().strip()}")
+    if (path / best.TRACKER_BEST).exists():
+        lines.append(f"tracker: best step {(path / best.TRACKER_BEST).read_text().strip()} (metric: lower is better)")
     run = paths.read_run_file(path)
     if run:
         lines.append(f"run family: {run['run_id']}")
@@ -159,7 +228,8 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     lines.append(f"{len(rows) - others} checkpoint(s), {bad} invalid"
                  + (f"; {others} leftover/quarantined (not checkpoints; the next save cleans leftovers)" if others else "")
                  + ("" if checksums else " (sizes only; `verify` checks checksums)"))
-    return "\n".join(lines), (1 if bad else 0)
+    lines += [f"DISAGREE: {p}" for p in disagree]
+    return "\n".join(lines), (1 if bad or disagree else 0)
 
 
 def _human(n: int) -> str:

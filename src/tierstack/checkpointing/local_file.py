@@ -98,6 +98,10 @@ def write(path: Path, header: bytes, buffers: Sequence[torch.Tensor], algo: str 
             if pad:
                 put(memoryview(bytes(pad)))
         os.fsync(fd)
+    except OSError as e:  # os.write/fsync errors carry no path: name the file (ENOSPC, EIO, ...)
+        if e.filename is None:
+            e.filename = str(dirty)
+        raise
     finally:
         os.close(fd)
     os.replace(dirty, path)

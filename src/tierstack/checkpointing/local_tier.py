@@ -174,8 +174,8 @@ class LocalTier(StagedTier):
             raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
                                   "not replaced: use another checkpoint.local_dir")
         for n in range(1, max(1, c.save_retries) + 1):
-            self._remove_step(step, run_id)
-            try:
+            try:  # a failed removal of the last attempt's files is this attempt's failure, classified alike
+                self._remove_step(step, run_id)
                 entry = local_file.write(ckpt, header, buffers)
                 man = manifest.build_manifest(
                     tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
@@ -186,7 +186,7 @@ class LocalTier(StagedTier):
                 return int(entry["size"])
             except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
                 if n >= c.save_retries or errors.classify(e) != errors.TRANSIENT:
-                    self._remove_step(step, run_id)
+                    self._discard_step(step, run_id)
                     raise
                 log.warning("LOCAL write of step %d on rank %d, attempt %d failed (%s); retrying",
                             step, self.layout.rank, n, errors.describe(e))
@@ -205,6 +205,19 @@ class LocalTier(StagedTier):
         ckpt, man_path = self._paths(step)
         for p in (man_path, ckpt, ckpt.with_name(ckpt.name.replace("_local.pt", "_local.dirty.pt"))):
             p.unlink(missing_ok=True)
+
+    def _discard_step(self, step: int, run_id: str) -> None:
+        """:meth:`_remove_step` after a failed save: an ``OSError`` there (EIO, EROFS, ...) is logged,
+        never raised, so the save's own failure is what every rank agrees on and reports.
+
+        Files left behind are not a checkpoint: the step never sealed on every rank, and the next
+        save of this step or of any step removes them (leftovers of an interrupted save).
+        """
+        try:
+            self._remove_step(step, run_id)
+        except OSError as e:
+            log.error("LOCAL files of failed step %d on rank %d not removed: %s", step, self.layout.rank,
+                      errors.describe(e))
 
     def finalize(self, blocking: bool) -> None:
         """Collective: when the in-flight save has ended on every rank (or ``blocking``), agree on it.
@@ -227,7 +240,7 @@ class LocalTier(StagedTier):
                 self._replicator, self._replicas, job.step, job.run_id, self.cfg.most_recent_k):
             reason = "replication to the other nodes failed on some rank"
         if reason is not None:
-            self._remove_step(job.step, job.run_id)
+            self._discard_step(job.step, job.run_id)
             log.error("LOCAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", job.step, reason)
             self.failures.append(job.step)
             return

@@ -1,8 +1,9 @@
 """``CheckpointManager``: the one object the training loop talks to about checkpoints.
 
 The manager holds the policy (when each tier saves, once per step and tier, fast tiers first, the
-preflight shared by the tiers of a step, what a failure does, where the last state goes) and no
-tier-specific code: every tier is a :class:`~tierstack.checkpointing.types.CheckpointTierHandler`.
+non-finite guard shared by the tiers of a step, the top-K best records a persistent tier's save
+commits, what a failure does, where the last state goes) and no tier-specific code: every tier is a
+:class:`~tierstack.checkpointing.types.CheckpointTierHandler`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import compat, intervals, preflight, selection
+from tierstack.checkpointing import compat, intervals, selection
+from tierstack.checkpointing.best import BestRecords, resolve_pretrained
+from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard
 from tierstack.checkpointing import family as run_family
 from tierstack.checkpointing.global_reader import CheckpointLoadError, GlobalReader
 from tierstack.checkpointing.global_tier import GlobalTier
@@ -86,7 +89,11 @@ class CheckpointManager:
             tiers = build_tiers(cfg, parallel_layout, run_config=run_config or {}, on_publish=self._notify)
         self._tiers = {t.tier: t for t in tiers}  # insertion order: fastest first
         self._last_saved: dict[CheckpointTier, Optional[int]] = {t: None for t in self._tiers}
-        self._preflight: tuple[Optional[int], bool] = (None, False)
+        self.guard = NonFiniteGuard(cfg.on_nonfinite, check_moments=cfg.save_optim)
+        self.best = BestRecords(cfg.keep_best_k, cfg.best_metric, cfg.save_on_best)
+        self._train_state = None  # the live TrainState: takes the best records of each published save
+        self.blocked_steps: list[int] = []  # boundaries the non-finite guard blocked (every tier)
+        self._commit_step: Optional[int] = None  # a step whose saves in every tier carry its best candidate
         self._closed = False
         # Tiers whose interval is "auto" (Young/Daly from measured save cost and step time, checkpoint.mtbf_s)
         self._planners = {t: intervals.IntervalPlanner(t.value.upper(), cfg.mtbf_s)
@@ -95,6 +102,9 @@ class CheckpointManager:
         self.events: list[SaveEvent] = []  # published GLOBAL saves of this process (for tests/benchmarks)
 
     def _notify(self, event: SaveEvent) -> None:
+        if event.train_state is not None and self._train_state is not None:
+            # Published on every rank: the records it carries are now the committed ones.
+            self._train_state.best_checkpoints = [list(r) for r in event.train_state.get("best_checkpoints", [])]
         self.events.append(event)
         for listener in self._listeners:
             try:
@@ -181,7 +191,7 @@ class CheckpointManager:
             handler.claim(run_id)
         _dist.barrier()
         if c.pretrained_checkpoint:
-            path = Path(c.pretrained_checkpoint)
+            path = resolve_pretrained(c.pretrained_checkpoint)  # `<root>:best`: the best tracker's step
             if self._pretrained_source is not None:
                 path = self._pretrained_source(path)
             GlobalReader(c, self.layout).load_pretrained(path, objs, run_config=self.run_config)
@@ -190,9 +200,21 @@ class CheckpointManager:
         return None
 
     # ------------------------------------------------------------------ save
+    def observe_step(self, objs: TrainingObjects, result) -> None:
+        """After every optimizer step, on every rank (not collective): record whether non-finite
+        values reached the training state on this rank (:class:`NonFiniteGuard`)."""
+        self.guard.observe(objs.train_state.step, result, objs.optimizer)
+
+    def propose_best(self, objs: TrainingObjects, metrics: Mapping[str, float]) -> bool:
+        """After a validation run, on every rank (not collective, same values everywhere): propose
+        the step as a top-K best candidate; nothing changes until a GLOBAL save of it. True when it
+        enters the top-K (with ``save_on_best`` the next :meth:`maybe_save` saves GLOBAL)."""
+        return self.best.propose(objs.train_state.step, metrics, objs.train_state.best_checkpoints)
+
     def maybe_save(self, objs: TrainingObjects) -> None:
         """Collective, after every optimizer step: seal/publish the background saves that ended on
-        every rank, then save each tier whose interval divides the step (fastest tier first)."""
+        every rank, then save each tier whose interval divides the step (fastest tier first), and
+        the persistent tier at a best candidate's step with ``save_on_best``."""
         with self._bounded():
             self._maybe_save(objs)
 
@@ -205,12 +227,20 @@ class CheckpointManager:
         if self._last_step_end is not None:
             for planner in self._planners.values():
                 planner.record_step(now - self._last_step_end)
-        for tier, handler in self._tiers.items():
-            if self._due(tier, handler, step):
-                blocked = self._save(tier, objs)
-                if tier in self._planners:  # every rank measures its own times: rank 0's estimate is used
-                    planner = self._planners[tier]
-                    planner.adopt(_dist.broadcast_object(planner.record_save(step, blocked)), _dist.rank() == 0)
+        due = [tier for tier, h in self._tiers.items()
+               if self._due(tier, h, step) or (h.persistent and self.best.save_requested(step))]
+        persistent = [self._tiers[t] for t in due if self._tiers[t].persistent and self._tiers[t].saves]
+        if self.best.candidate_at(step) and persistent:
+            # Every tier saving at this step carries the same records, the candidate committed (a
+            # resume from LOCAL at this step must not lose it), over the last published records.
+            for handler in persistent:
+                handler.finalize(blocking=True)
+            self._commit_step = step
+        for tier in due:
+            blocked = self._save(tier, objs)
+            if tier in self._planners:  # every rank measures its own times: rank 0's estimate is used
+                planner = self._planners[tier]
+                planner.adopt(_dist.broadcast_object(planner.record_save(step, blocked)), _dist.rank() == 0)
         self._last_step_end = time.perf_counter()
 
     def _due(self, tier: CheckpointTier, handler: CheckpointTierHandler, step: int) -> bool:
@@ -221,10 +251,15 @@ class CheckpointManager:
         return step % handler.interval == 0
 
     def save(self, tier: CheckpointTier, objs: TrainingObjects) -> Optional[float]:
-        """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier;
-        the preflight (all parameters finite) runs once per step, whatever the number of tiers.
+        """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier.
 
-        Returns the seconds the loop was blocked (preflight included), or None when nothing was saved."""
+        First the non-finite guard (once per step, whatever the number of tiers; one all-reduce,
+        before any staging): a blocked boundary saves nothing in any tier and either raises
+        :class:`~tierstack.checkpointing.nonfinite_guard.NonFiniteError` (``on_nonfinite=stop``)
+        or is skipped. A persistent tier's save carries the top-K best records with this step's
+        candidate committed (:meth:`_save_with_records`).
+
+        Returns the seconds the loop was blocked (the guard included), or None when nothing was saved."""
         with self._bounded():
             return self._save(tier, objs)
 
@@ -234,17 +269,37 @@ class CheckpointManager:
         if self._closed or not handler.saves or self._last_saved[tier] == step:
             return None
         t0 = time.perf_counter()
-        if self._preflight[0] != step:
-            self._preflight = (step, preflight.all_finite(objs.model))
-        if not self._preflight[1]:
-            handler.failures.append(step)
-            log.error("%s checkpoint of step %d skipped: non-finite values", tier.value, step)
-            self._raise_if_failed()
+        self._train_state = objs.train_state
+        if not self.guard.check(step, objs.optimizer).ok:
+            if not self.blocked_steps or self.blocked_steps[-1] != step:
+                self.blocked_steps.append(step)
+            if handler.persistent:
+                self.best.settle(step)  # no GLOBAL checkpoint of this step: its candidate is spent
             return None
-        blocked = handler.save(objs, run_id=objs.train_state.run_id)
+        if (handler.persistent and self.best.enabled) or self._commit_step == step:
+            blocked = self._save_with_records(handler, objs)
+        else:
+            blocked = handler.save(objs, run_id=objs.train_state.run_id)
         self._last_saved[tier] = step
         self._raise_if_failed()
         return None if blocked is None else time.perf_counter() - t0
+
+    def _save_with_records(self, handler: CheckpointTierHandler, objs: TrainingObjects) -> Optional[float]:
+        """Save with the best records committed into the TrainState this save captures. The live
+        TrainState keeps the previous records until a persistent save of them is published
+        (:meth:`_notify`), so a save that fails or is still in flight leaves them unchanged."""
+        ts = objs.train_state
+        if handler.persistent:
+            handler.finalize(blocking=True)  # the previous save publishes first: its records are the base
+        previous = [list(r) for r in ts.best_checkpoints]
+        ts.best_checkpoints = self.best.records_for(ts.step, previous)
+        try:
+            return handler.save(objs, run_id=ts.run_id)
+        finally:
+            if handler.persistent:
+                self.best.settle(ts.step)
+            if not (handler.persistent and ts.step in handler.saved_steps()):
+                ts.best_checkpoints = previous  # published: _notify set the same records already
 
     def final_tier(self) -> Optional[CheckpointTier]:
         """Where the last state of a run goes: the first persistent tier that saves, else the first

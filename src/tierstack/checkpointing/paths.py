@@ -155,8 +155,17 @@ def prepare_atomic(path: Path, data: bytes) -> Path:
 
 
 def commit_atomic(tmp: Path, path: Path) -> None:
-    """Second half of :func:`atomic_write_bytes`: rename ``tmp`` over ``path``, fsync the directory."""
-    os.replace(tmp, path)
+    """Second half of :func:`atomic_write_bytes`: rename ``tmp`` over ``path``, fsync the directory.
+
+    Raises:
+        OSError: the rename failed (``path`` is a directory, the folder became read-only, ...); the
+            temp file is removed first, so a failed write leaves nothing beside ``path``.
+    """
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     fsync_dir(Path(path).parent)
 
 

@@ -1,7 +1,8 @@
 """Publishing a sealed GLOBAL step as one decision (rank 0).
 
-Publishing is the directory rename plus the two tracker files (``latest_checkpointed_iteration.txt``
-and ``latest_train_state.pt``). If the rename succeeded and a tracker write then failed, the step
+Publishing is the directory rename plus the tracker files (``latest_checkpointed_iteration.txt``,
+``latest_train_state.pt`` and, when the TrainState holds top-K best records,
+``best_checkpointed_iteration.txt``). If the rename succeeded and a tracker write then failed, the step
 would be complete on disk and resumable while the trackers and the log said it was not, and a
 retry would find its own published copy in the way. So everything that can run out of space (the
 tracker contents, fsync'd in temp files; the run file) happens before the rename, and if any later
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tierstack.checkpointing import paths
+from tierstack.checkpointing import best, paths
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ def publish_step(root: Path, step: int, staging: Path, train_state: dict, run_id
     buf = io.BytesIO()
     torch.save(train_state, buf)
     trackers = {root / paths.TRACKER_ITERATION: f"{step}\n".encode(), root / paths.TRACKER_TRAIN_STATE: buf.getvalue()}
+    best_step = best.best_step(train_state)
+    if best_step is not None:  # the top-K records published with this checkpoint name the best
+        trackers[root / best.TRACKER_BEST] = f"{best_step}\n".encode()
     old = {p: (p.read_bytes() if p.exists() else None) for p in trackers}
     tmps: dict[Path, Path] = {}
     try:

@@ -1,8 +1,12 @@
 """Retention: after a publish, keep the ``most_recent_k`` checkpoints of this run in a tier.
 
-A removal that fails is logged and skipped (the next publish tries again). Never deletes the
-checkpoint just published, anything newer than it (a run resumed from an older
-step with ``ckpt_step`` leaves newer ones alone), or a checkpoint of another run.
+Two protections, and a checkpoint is removed only when neither holds: the ``most_recent_k``
+newest (the published one counts; resume needs the newest), and the top-K best records of the
+TrainState just published (GLOBAL, ``checkpoint.keep_best_k``; :func:`~tierstack.checkpointing.best.protected_steps`).
+A best checkpoint never takes the place of a recent one, nor the other way round. A removal
+that fails is logged and skipped (the next publish tries again). Never deletes
+the checkpoint just published, anything newer than it (a run resumed from an older step with
+``ckpt_step`` leaves newer ones alone), or a checkpoint of another run.
 
 Quarantined checkpoints (``*.invalid-<reason>``, renamed by resume selection) are kept for
 inspection, but not forever: they count against ``checkpoint.quarantine_budget_bytes`` per
@@ -14,24 +18,31 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 from tierstack.checkpointing import paths
 
 log = logging.getLogger(__name__)
 
 
-def steps_to_delete(own_steps: Iterable[int], published: int, k: int) -> list[int]:
-    """Steps of this run to delete after publishing ``published``, keeping ``k`` in all (-1 = all)."""
+def steps_to_delete(own_steps: Iterable[int], published: int, k: int,
+                    protected: Iterable[int] = ()) -> list[int]:
+    """Steps of this run to delete after publishing ``published``: all older ones except the
+    ``k - 1`` newest of them (the published one counts towards ``k``; -1 keeps all) and except
+    ``protected`` (the top-K best steps)."""
     if k < 0:
         return []
     older = [s for s in paths.sorted_steps(set(own_steps)) if s < published]
-    keep = max(k - 1, 0)  # the published one counts towards k
-    return older[: len(older) - keep] if keep else older
+    keep = max(k - 1, 0)
+    doomed = older[: len(older) - keep] if keep else older
+    keep_best = {int(s) for s in protected}
+    return [s for s in doomed if s not in keep_best]
 
 
-def prune_global(root: Path, run_id: str, published: int, k: int) -> list[int]:
-    """Delete old GLOBAL step directories of ``run_id`` under ``root`` (call on one rank)."""
+def prune_global(root: Path, run_id: str, published: int, k: int,
+                 protected: Optional[Iterable[int]] = None) -> list[int]:
+    """Delete old GLOBAL step directories of ``run_id`` under ``root`` (call on one rank), keeping
+    the ``protected`` steps (the published TrainState's top-K best records)."""
     own = {}
     for p in Path(root).iterdir():
         step = paths.parse_step_dir(p.name)
@@ -41,7 +52,7 @@ def prune_global(root: Path, run_id: str, published: int, k: int) -> list[int]:
         if man is not None and man.get("run_id") == run_id:
             own[step] = p
     removed = []
-    for step in steps_to_delete(own, published, k):
+    for step in steps_to_delete(own, published, k, protected or ()):
         log.info("retention: removing GLOBAL checkpoint %s (most_recent_k=%d)", own[step], k)
         if _try(shutil.rmtree, own[step]):
             removed.append(step)

@@ -36,6 +36,7 @@ class SaveEvent:
     path: str
     bytes: int
     seconds: float  # time the training loop was blocked by this save (scheduling + finalize)
+    train_state: Optional[dict] = None  # the TrainState published with it (``TrainState.state_dict()``)
 
 
 @dataclass(frozen=True)

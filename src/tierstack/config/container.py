@@ -139,6 +139,9 @@ class ConfigContainer:
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
         p += self._validate_replication(world_size, ranks_per_node)
+        c = self.checkpoint
+        if c is not None and c.save_on_best and not (t.eval_interval and t.eval_iters >= 1):
+            p.append("checkpoint.save_on_best needs validation: set train.eval_interval (and train.eval_iters >= 1)")
         if p:
             raise ConfigError(p)
 

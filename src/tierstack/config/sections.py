@@ -24,6 +24,9 @@ from tierstack.config.model_section import (  # noqa: F401 - re-exported: the mo
 )
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# checkpoint.best_metric: metric name -> lower is better (only metrics the training loop computes)
+BEST_METRICS = {"val_loss": True}
+ON_NONFINITE = ("stop", "skip")  # checkpoint.on_nonfinite
 TOKENIZER_TYPES = ("byte", "huggingface")
 
 
@@ -247,9 +250,16 @@ class CheckpointConfig(_Section):
     # up to this many bytes per directory; retention removes the oldest beyond it and logs each.
     # None: as much as the checkpoint just sealed (one checkpoint's worth).
     quarantine_budget_bytes: Optional[int] = None
+    # Top-K best GLOBAL checkpoints by a validation metric (0 = off); retention never removes them.
+    keep_best_k: int = 0
+    best_metric: str = "val_loss"  # the metric ranking them; lower is better (val_loss: nats per token)
+    save_on_best: bool = False  # save GLOBAL right after a validation that enters the top-K
+    # A checkpoint boundary after non-finite loss/gradients (in an applied step) or a non-finite
+    # state on any rank saves nothing in any tier; then: stop (raise) or skip (train on).
+    on_nonfinite: str = "stop"
 
     def problems(self) -> list[str]:
-        p = []
+        p = self._best_problems()
         if self.replication_factor < 1:
             p.append("checkpoint.replication_factor must be >= 1 (1 = no replicas)")
         if self.replication_factor > 1 and self.local_dir is None:
@@ -287,8 +297,8 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.collective_timeout_s must be > 0 (seconds), or null for distributed.timeout_s")
         if self.retry_backoff_s < 0:
             p.append("checkpoint.retry_backoff_s must be >= 0")
-        if self.pretrained_checkpoint is not None and not Path(self.pretrained_checkpoint).exists():
-            p.append(f"checkpoint.pretrained_checkpoint={self.pretrained_checkpoint}: not found")
+        if self.pretrained_checkpoint is not None:
+            p += _pretrained_problems(self.pretrained_checkpoint)
         if self.exit_on_missing_checkpoint and self.load is None and self.save is None and self.local_dir is None:
             p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
         for name in ("save", "local_dir"):  # before any rank starts work, not deep inside a save
@@ -298,6 +308,36 @@ class CheckpointConfig(_Section):
         if self.load is not None and Path(self.load).exists() and not os.access(self.load, os.R_OK | os.X_OK):
             p.append(f"checkpoint.load={self.load}: not readable")
         return p
+
+    def _best_problems(self) -> list[str]:
+        p = []
+        if self.keep_best_k < 0:
+            p.append(f"checkpoint.keep_best_k={self.keep_best_k}: must be >= 0 (0 = off)")
+        if self.best_metric not in BEST_METRICS:
+            p.append(f"checkpoint.best_metric={self.best_metric!r}: unknown, use one of {sorted(BEST_METRICS)}")
+        if self.keep_best_k > 0 and self.save is None:
+            p.append("checkpoint.keep_best_k is set but checkpoint.save (GLOBAL directory) is not")
+        if self.save_on_best and self.keep_best_k < 1:
+            p.append("checkpoint.save_on_best needs checkpoint.keep_best_k >= 1")
+        if self.on_nonfinite not in ON_NONFINITE:
+            p.append(f"checkpoint.on_nonfinite={self.on_nonfinite!r}: use one of {list(ON_NONFINITE)}")
+        return p
+
+
+def _pretrained_problems(spec: str) -> list[str]:
+    """``checkpoint.pretrained_checkpoint``: a path that exists, or ``<GLOBAL root>:best`` whose
+    ``best`` tracker names a step directory that exists."""
+    from tierstack.checkpointing.best import BEST_SUFFIX, resolve_pretrained
+
+    if spec.endswith(BEST_SUFFIX):
+        try:
+            resolve_pretrained(spec)
+        except FileNotFoundError as e:
+            return [str(e)]
+        return []
+    if not Path(spec).exists():
+        return [f"checkpoint.pretrained_checkpoint={spec}: not found"]
+    return []
 
 
 @dataclass(kw_only=True)

@@ -141,10 +141,23 @@ def write_sidecar(prefix: str | Path, tokenizer, *, max_token_id: int, num_docum
         "dtype": str(dtype),
         "bin_bytes": int(num_tokens) * np.dtype(dtype).itemsize,
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    _replace_text(path, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temp file beside ``path`` and rename it over ``path``.
+
+    Raises:
+        OSError: the write or rename failed; the temp file is removed first (nothing left beside ``path``).
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_sidecar(prefix: str, summary: IndexSummary) -> Optional[dict]:
@@ -205,10 +218,8 @@ def scan_token_range(prefix: str, summary: IndexSummary, cache_dir: Optional[str
     if cache is not None:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps({"bin": f"{prefix}.bin", "min_token_id": lo, "max_token_id": hi,
-                                       "num_tokens": summary.num_tokens, "scan_seconds": seconds}))
-            os.replace(tmp, cache)
+            _replace_text(cache, json.dumps({"bin": f"{prefix}.bin", "min_token_id": lo, "max_token_id": hi,
+                                             "num_tokens": summary.num_tokens, "scan_seconds": seconds}))
             how += f"; cached in {cache}"
         except OSError as err:
             how += f"; not cached ({err})"

@@ -69,6 +69,18 @@ def all_reduce_max(value: int) -> int:
     return int(t.item())
 
 
+@_guarded
+def all_reduce_max_table(table: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over all ranks of an integer ``table`` (any shape), on the CPU (a sync
+    point). Ranks fill their own rows and zeros elsewhere, so one call tells every rank every rank's
+    findings."""
+    if not is_distributed():
+        return table.clone()
+    t = table.to(_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu()
+
+
 def any_true(flag: bool) -> bool:
     """True on every rank when ``flag`` holds on any rank (a sync point)."""
     return all_reduce_max(1 if flag else 0) == 1

@@ -26,6 +26,8 @@ class StepResult:
         update_successful: False when the optimizer skipped the update (non-finite gradients).
         seconds: wall time of the step (forward, backward, optimizer), seconds.
         tokens: tokens in the global batch.
+        local_loss_finite: this rank's own share of the loss was finite (differs between ranks;
+            the checkpoint guard uses it to say which rank saw a non-finite loss).
     """
 
     loss: float
@@ -33,6 +35,7 @@ class StepResult:
     update_successful: bool
     seconds: float
     tokens: int
+    local_loss_finite: bool = True
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ class BatchShape:
         return self.global_batch_size * self.seq_length
 
 
-def reduce_loss_across_ranks(losses_reduced: list[dict]) -> float:
-    """Mean per-token loss of a global batch, the same value on every rank.
+def reduce_loss_across_ranks(losses_reduced: list[dict]) -> tuple[float, bool]:
+    """Mean per-token loss of a global batch (the same value on every rank), and whether this
+    rank's own contribution was finite (per rank).
 
     Only last-stage ranks hold losses; tensor-parallel peers hold the same ones, so only TP rank 0
     of the last stage contributes to one world all-reduce of ``[loss_sum, num_tokens]``.
@@ -75,8 +79,10 @@ def reduce_loss_across_ranks(losses_reduced: list[dict]) -> float:
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for item in losses_reduced:
             acc += item["lm loss"].to(acc)
+    local_finite = torch.isfinite(acc).all().to(acc).reshape(1)  # read with the sum: one device sync
     dist.all_reduce(acc)
-    return float(acc[0] / acc[1]) if acc[1] > 0 else float("nan")
+    loss_sum, tokens, finite = torch.cat([acc, local_finite]).tolist()
+    return (loss_sum / tokens if tokens > 0 else float("nan")), bool(finite)
 
 
 def run_schedule(
@@ -118,7 +124,7 @@ def train_step(
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=1)
-    loss = reduce_loss_across_ranks(losses)
+    loss, local_loss_finite = reduce_loss_across_ranks(losses)
     runtime.synchronize()
     return StepResult(
         loss=loss,
@@ -126,6 +132,7 @@ def train_step(
         update_successful=bool(update_successful),
         seconds=time.perf_counter() - start,
         tokens=shape.tokens,
+        local_loss_finite=local_loss_finite,
     )
 
 

@@ -34,7 +34,7 @@ def build_model(cfg: ConfigContainer, provider: Callable[..., torch.nn.Module]) 
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        check_for_nan_in_grad=False,  # our checkpoint preflight owns the non-finite check
+        check_for_nan_in_grad=False,  # our non-finite guard (checkpointing/nonfinite_guard.py) owns it
     )
     ddp = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=model)
     # Parameters are initialised per TP rank from the tracker seed; DP replicas must agree exactly.

@@ -37,7 +37,9 @@ def train(
     Every rank runs this. After each step: evaluation by ``train.eval_interval``, the straggler
     report by its interval, a log line (every ``logger.log_interval``, the first step of a run or
     resume, evaluations, the last step), then LOCAL/GLOBAL saves by interval (the checkpoint
-    manager decides). A planned stop (exit_interval, SIGTERM, straggler) skips the interval saves
+    manager decides; a validation is proposed to it as a top-K best candidate first, so that with
+    ``checkpoint.save_on_best`` the GLOBAL save of that step follows at once). Each step's result
+    goes to the manager's non-finite guard before anything else reads the step. A planned stop (exit_interval, SIGTERM, straggler) skips the interval saves
     and ends with the final save: the last state is always kept, in GLOBAL when configured.
 
     ``on_step(train_state, step_result)`` is called on every rank after each step (before
@@ -76,6 +78,7 @@ def train(
     while ts.step < cfg.train.train_iters:
         result = _run_step(s, step_forward, shape)
         _count(ts, cfg, result, flops_per_iter)
+        s.checkpoint_manager.observe_step(objs, result)  # non-finite guard: this rank's flag for the step
         if on_step is not None:
             on_step(ts, result)
         window.add(result)
@@ -83,6 +86,7 @@ def train(
         if cfg.train.eval_interval and s.valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
             metrics["val_loss"] = evaluate(forward_step_func, s.valid_data_iterator, s.model, shape, cfg.train.eval_iters)
             ts.consumed_valid_samples += cfg.train.eval_iters * cfg.train.global_batch_size
+            s.checkpoint_manager.propose_best(objs, metrics)  # a top-K candidate; saved (and committed) below
         straggler_stop = _straggler_report(s, ts.step, metrics)
         first_of_run = ts.step == start_step + 1  # shows where a run (or a resume) starts
         if first_of_run or ts.step % cfg.logger.log_interval == 0 or ts.step == cfg.train.train_iters or "val_loss" in metrics:

@@ -1,11 +1,12 @@
-"""One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``.
+"""One rank of a checkpointing scenario, launched by the tests with ``torchrun --nproc-per-node 2``
+(or as a plain 1-rank ``python`` process where a scenario needs no second rank).
 
 Usage: ckpt_worker.py OUT_DIR [--hold-writers] [--kill-during-local-write STEP] [--hang-global-writer-on RANK]
     [section.field=value ...]
 
 Runs ``tierstack.pretrain`` on a tiny GPT (2 layers, hidden 64, 4 heads, seq 32, micro batch 2, mock
-data, dropout 0.1, validation every 3 steps) and writes ``OUT_DIR/rank<r>.json`` (per-step losses as float hex, resume info, final
-TrainState, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
+data, dropout 0.1, validation every 3 steps) and writes ``OUT_DIR/rank<r>.json`` (per-step losses and grad norms as float hex, resume info, final
+TrainState, validation losses by step, published GLOBAL steps, whether the GLOBAL tracker existed after each step) and
 ``OUT_DIR/params<r>.pt`` (final parameters of this rank).
 """
 
@@ -66,14 +67,15 @@ def hold_writers_until(release: Path, timeout_s: float = 200.0):
     local_file.write = held_local
 
 
-def hang_first_global_write(rank: int):
+def hang_first_global_write(rank: int, out: Path):
     """On ``rank``, the first GLOBAL write never returns (a hung file system): its writer thread
-    blocks for good; the other ranks write normally. Later writes are not held."""
+    blocks for good; the other ranks write normally. Later writes are not held. The hung write
+    creates ``out/hung_global_write_rank<rank>`` first, so the test sees the fault did run."""
     import threading
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    if int(os.environ["RANK"]) != rank:
+    if int(os.environ.get("RANK", "0")) != rank:
         return
     real_write = FileSystemWriterAsync.write_preloaded_data
     first = [True]
@@ -81,6 +83,8 @@ def hang_first_global_write(rank: int):
     def hung(*args, **kwargs):
         if first[0]:
             first[0] = False
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"hung_global_write_rank{rank}").touch()
             threading.Event().wait()  # never set
         return real_write(*args, **kwargs)
 
@@ -134,7 +138,7 @@ def main():
     release = None
     while args[:1] in (["--hold-writers"], ["--kill-during-local-write"], ["--hang-global-writer-on"]):
         if args[0] == "--hang-global-writer-on":
-            hang_first_global_write(int(args[1]))
+            hang_first_global_write(int(args[1]), out)
             args = args[2:]
         elif args[0] == "--hold-writers":
             release = out / "release_writers"
@@ -144,8 +148,8 @@ def main():
             kill_during_local_write(int(args[1]))
             args = args[2:]
     cfg = tiny_config(args)
-    rank = int(os.environ["RANK"])
-    record = {"losses": {}, "tracker_after_step": {}, "param_sums": {}}
+    rank = int(os.environ.get("RANK", "0"))  # a plain `python` launch is a 1-rank run
+    record = {"losses": {}, "grad_norms": {}, "val_losses": {}, "tracker_after_step": {}, "param_sums": {}}
     tracker = Path(cfg.checkpoint.save) / "latest_checkpointed_iteration.txt" if cfg.checkpoint.save else None
 
     import torch
@@ -158,13 +162,28 @@ def main():
     real_setup = setup_mod.setup
 
     def spy_setup(c, **kwargs):
+        from megatron.core.utils import get_model_config
+
         s = real_setup(c, **kwargs)
         captured["s"] = s
+        # production wiring, never patched here: DP reduction and PP tied embeddings depend on it
+        record["grad_finalization_wired"] = get_model_config(s.model[0]).finalize_model_grads_func is not None
         record["param_sums"]["resume"] = _param_sums(s.model)
         record["optim_sums"] = {"resume": _optim_sums(s.optimizer)}
         return s
 
     setup_mod.setup = spy_setup
+
+    from tierstack.training import train as train_mod
+
+    real_evaluate = train_mod.evaluate
+
+    def spy_evaluate(*a, **kw):  # validation losses by step: an exact resume repeats them too
+        loss = real_evaluate(*a, **kw)
+        record["val_losses"][captured["step"]] = float(loss).hex()
+        return loss
+
+    train_mod.evaluate = spy_evaluate
 
     from tierstack.checkpointing import CheckpointManager, CheckpointTier
 
@@ -178,6 +197,8 @@ def main():
 
     def on_step(ts, result):
         record["losses"][str(ts.step)] = float(result.loss).hex()
+        record["grad_norms"][str(ts.step)] = float(result.grad_norm).hex()
+        captured["step"] = str(ts.step)
         if tracker is not None:
             record["tracker_after_step"][str(ts.step)] = tracker.read_text().strip() if tracker.exists() else None
         s = captured["s"]

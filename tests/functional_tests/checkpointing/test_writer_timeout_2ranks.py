@@ -18,6 +18,8 @@ def test_hung_global_writer_fails_that_save_on_every_rank_and_training_goes_on(t
                      "checkpoint.async_save=true", "checkpoint.async_write_timeout_s=3"], timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]  # the stuck (daemon) thread does not keep the process alive
+    assert (tmp_path / "hung_global_write_rank1").exists()  # the injected hang did run, on rank 1 only
+    assert not (tmp_path / "hung_global_write_rank0").exists()
     assert ("GLOBAL checkpoint of step 2: the writer thread of rank(s) [1] is still running after "
             "checkpoint.async_write_timeout_s=3s") in log
     assert log.count("GLOBAL checkpoint of step 2 NOT published") == 2, log[-6000:]  # on both ranks

@@ -17,7 +17,9 @@ def test_slow_rank_is_reported_by_rank_and_node_and_stop_is_agreed(tmp_path):
     log = proc.stdout + proc.stderr
     node = socket.gethostname()
     assert f"STRAGGLERS: rank 1 on {node}" in log
-    assert "[rank0] WARNING tierstack.resiliency.straggler" in log  # only rank 0 reports
+    assert "[rank0] WARNING tierstack.resiliency.straggler" in log  # only rank 0 reports ...
+    assert [line for line in log.splitlines() if "[rank1]" in line and "straggler report" in line] == []  # not rank 1
+    assert log.count("STRAGGLERS: ") == 1, log[-4000:]
 
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank_view in seen:

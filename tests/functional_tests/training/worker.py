@@ -50,28 +50,65 @@ def main() -> None:
     cfg = tiny_config(out_dir).apply_overrides(sys.argv[2:])
     record = {"losses": [], "grad_norms": [], "steps": []}
 
-    poison_at = int(os.environ.get("TIERSTACK_TEST_NAN_GRAD_AT", "0"))
     sigterm_at = int(os.environ.get("TIERSTACK_TEST_SIGTERM_AT", "0"))
+    # Faults of the non-finite guard tests, on rank 1 only, at one step:
+    inf_grad_at = int(os.environ.get("TIERSTACK_TEST_INF_GRAD_AT", "0"))  # gradients the optimizer applies
+    inf_loss_at = int(os.environ.get("TIERSTACK_TEST_INF_LOSS_AT", "0"))  # the loss report only (transient)
+    # Validation loss goes down, then up: from this step on, each step adds noise to the weights.
+    noise_from = int(os.environ.get("TIERSTACK_TEST_NOISE_FROM", "0"))
+    rank = int(os.environ.get("RANK", "0"))  # a plain `python` launch is a 1-rank run
+    captured = {"done": 0}
 
     def on_step(ts, result):
-        if ts.step == poison_at and int(os.environ["RANK"]) == 1:
-            # A non-finite gradient on one rank only, after the step and before the checkpoint.
-            p = next(captured["model"].parameters())
-            p.main_grad.view(-1)[0] = float("nan")
-        if ts.step == sigterm_at and int(os.environ["RANK"]) == 1:
+        captured["done"] = ts.step
+        if ts.step == sigterm_at and rank == 1:
             # A pre-emption notice that reaches one rank only.
             os.kill(os.getpid(), signal.SIGTERM)
+        if noise_from and ts.step >= noise_from:
+            import torch
+
+            gen = torch.Generator().manual_seed(ts.step)  # the same noise on every rank and run
+            with torch.no_grad():
+                for p in captured["model"].parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.05 * (ts.step - noise_from + 1))
+        if cfg.checkpoint.keep_best_k:  # what the last boundary left: the live records, the best tracker
+            tracker = Path(cfg.checkpoint.save) / "best_checkpointed_iteration.txt"
+            record.setdefault("best_seen", {})[ts.step] = {
+                "records": [list(r) for r in ts.best_checkpoints],
+                "tracker": tracker.read_text().strip() if tracker.exists() else None,
+            }
         record["steps"].append(ts.step)
         record["losses"].append(result.loss)
         record["grad_norms"].append(result.grad_norm)
 
-    captured = {}
+    def inject_inf_grad(model):
+        """After the gradient all-reduce of step ``inf_grad_at`` and before the optimizer step,
+        rank 1's gradients hold an inf: the optimizer applies it there (fp32, no loss scaler)."""
+        finish = model.finish_grad_sync
+
+        def finish_then_poison(*args, **kwargs):
+            out = finish(*args, **kwargs)
+            if captured["done"] + 1 == inf_grad_at and rank == 1:
+                next(model.parameters()).main_grad.view(-1)[0] = float("inf")
+            return out
+
+        model.finish_grad_sync = finish_then_poison
 
     def forward_step(data_iterator, model):
         from tierstack.training.forward import gpt_forward_step
 
+        if "model" not in captured and inf_grad_at:
+            inject_inf_grad(model)
         captured["model"] = model
-        return gpt_forward_step(data_iterator, model)
+        output, loss_func = gpt_forward_step(data_iterator, model)
+        if captured["done"] + 1 != inf_loss_at or rank != 1 or not model.training:
+            return output, loss_func
+
+        def inf_report(output_tensor):
+            loss, n, report = loss_func(output_tensor)
+            return loss, n, {"lm loss": report["lm loss"] * float("inf")}
+
+        return output, inf_report
 
     state = pretrain(cfg, forward_step, on_step=on_step)
     params = [p.detach().double() for p in captured["model"].parameters()]
@@ -83,7 +120,6 @@ def main() -> None:
     for key, name in (("embedding_sum", "word_embeddings.weight"), ("output_layer_sum", "output_layer.weight")):
         match = [p for n, p in named.items() if n.endswith(name)]
         record[key] = float(match[0].detach().double().sum()) if match else None
-    rank = int(os.environ["RANK"])
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 
 

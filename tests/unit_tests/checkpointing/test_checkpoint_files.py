@@ -250,3 +250,36 @@ def test_leftovers_of_this_run_are_removed_and_another_runs_staging_is_kept(tmp_
     removed = paths.remove_leftovers(tmp_path, "runA")
     assert sorted(p.name for p in removed) == sorted(gone)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)
+
+
+def _with_records(d, records):
+    man = json.loads((d / paths.MANIFEST).read_text())
+    man["train_state"]["best_checkpoints"] = records
+    manifest.write_manifest(d / paths.MANIFEST, man)
+
+
+def test_ls_marks_best_and_top_k_and_verify_checks_trackers_records_and_directories(tmp_path):
+    from tierstack.checkpointing.best import TRACKER_BEST
+
+    for step, records in ((10, [[10, 2.5]]), (20, [[20, 2.0], [10, 2.5]]), (30, [[20, 2.0], [10, 2.5]])):
+        _with_records(_global_ckpt(tmp_path, step), records)
+    (tmp_path / paths.TRACKER_ITERATION).write_text("30\n")
+    (tmp_path / TRACKER_BEST).write_text("20\n")
+    text, status = listing.ls(str(tmp_path))
+    assert status == 0 and "tracker: best step 20" in text
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("global")}
+    assert rows["20"][6:8] == ["2.0000", "best"] and rows["10"][6:8] == ["2.5000", "top-k"]
+    assert rows["30"][6] == "-" and rows["30"][7] != "best"
+    assert listing.verify(str(tmp_path))[1] == 0
+    (tmp_path / TRACKER_BEST).write_text("10\n")  # the tracker disagrees with the records
+    text, status = listing.verify(str(tmp_path))
+    assert status == 1 and f"DISAGREE: {TRACKER_BEST} names 10, the records' best is step 20" in text
+    (tmp_path / TRACKER_BEST).write_text("20\n")
+    import shutil
+
+    shutil.rmtree(tmp_path / "iter_0000010")  # a record without its directory
+    text, status = listing.verify(str(tmp_path))
+    assert status == 1 and "DISAGREE: best record step 10 has no valid checkpoint directory" in text
+    (tmp_path / paths.TRACKER_ITERATION).write_text("40\n")  # a tracker naming no checkpoint
+    text, status = listing.verify(str(tmp_path))
+    assert status == 1 and "DISAGREE: latest_checkpointed_iteration.txt names '40', which is not a valid" in text

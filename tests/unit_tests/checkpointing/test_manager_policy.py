@@ -1,13 +1,14 @@
 """CheckpointManager's policy, single process, with recording tiers in place of LOCAL and GLOBAL.
 
 The fakes implement the tier Protocol and record every call in one shared journal, so the tests
-check what the manager decides (intervals, once per step and tier, order, preflight, failures, the
-final tier, close) and nothing of how a tier writes. The model is a real (tiny) torch module: the
-preflight runs for real on its parameters.
+check what the manager decides (intervals, once per step and tier, order, the non-finite guard,
+failures, the final tier, close) and nothing of how a tier writes. The model is a real (tiny) torch
+module with a real torch Adam: the guard runs for real on its parameters and moments.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tierstack.checkpointing import CheckpointManager, CheckpointSaveError, CheckpointTier, TrainingObjects
-from tierstack.checkpointing import preflight as preflight_module
+from tierstack.checkpointing import nonfinite_guard as guard_module
 from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
 from tierstack.train_state import TrainState
@@ -37,6 +38,7 @@ class FakeTier:
         self.fail_at, self.close_error = set(fail_at), close_error
         self.in_flight, self.staging_bytes = 0, 0
         self.sealed: list[int] = []
+        self.captured: list[tuple] = []  # (step, best records of the TrainState the save captured)
         self.closed = False
 
     def claim(self, run_id):
@@ -66,6 +68,7 @@ class FakeTier:
     def save(self, objs, *, run_id):
         step = objs.train_state.step
         self.journal.append(("save", self.tier.value, step))
+        self.captured.append((step, [list(r) for r in objs.train_state.state_dict()["best_checkpoints"]]))
         if step in self.fail_at:
             self.failures.append(step)
             return None
@@ -89,7 +92,9 @@ def make(journal, *, local=None, global_=None, **cfg):
     local = FakeTier(CheckpointTier.LOCAL, journal, **(local or {}))
     global_ = FakeTier(CheckpointTier.GLOBAL, journal, persistent=True, **(global_ or {}))
     manager = CheckpointManager(CheckpointConfig(**cfg), LAYOUT, tiers=[local, global_])
-    objs = TrainingObjects(model=[torch.nn.Linear(4, 4)], optimizer=None, scheduler=None, train_state=TrainState())
+    model = torch.nn.Linear(4, 4)
+    objs = TrainingObjects(model=[model], optimizer=torch.optim.Adam(model.parameters()), scheduler=None,
+                           train_state=TrainState())
     return manager, objs, local, global_
 
 
@@ -132,29 +137,41 @@ def test_a_tier_that_does_not_save_is_skipped():
     assert saves(journal) == [("local", 1), ("local", 2)]
 
 
-def test_preflight_runs_once_per_step_for_all_tiers(monkeypatch):
+def test_the_guard_runs_once_per_step_for_all_tiers(monkeypatch):
     calls = []
-    real = preflight_module.all_finite
-    monkeypatch.setattr(preflight_module, "all_finite", lambda model: calls.append(1) or real(model))
+    real = guard_module.state_finite
+    monkeypatch.setattr(guard_module, "state_finite", lambda opt, **kw: calls.append(1) or real(opt, **kw))
     journal: list = []
     manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
     run_steps(manager, objs, 4)
-    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one preflight each
+    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one check each
 
 
-def test_non_finite_parameters_block_every_tier_of_that_step():
+def test_non_finite_parameters_block_every_tier_of_that_step_and_skip_trains_on():
     journal: list = []
-    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2})
+    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2}, on_nonfinite="skip")
     run_steps(manager, objs, 1)
     with torch.no_grad():
         objs.model[0].weight[0, 0] = float("nan")
     run_steps(manager, objs, 1)
     assert saves(journal) == []  # the tiers were never asked
-    assert local.failures == [2] and global_.failures == [2]
+    assert manager.blocked_steps == [2] and local.failures == [] and global_.failures == []
     with torch.no_grad():
         objs.model[0].weight[0, 0] = 0.0
     run_steps(manager, objs, 2)
     assert saves(journal) == [("local", 4), ("global", 4)]
+
+
+def test_non_finite_moment_blocks_and_stop_raises_naming_the_step():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
+    objs.model[0].weight.sum().backward()
+    objs.optimizer.step()  # Adam state exists
+    objs.optimizer.state[objs.model[0].weight]["exp_avg_sq"][1, 1] = float("inf")
+    objs.train_state.step = 1
+    with pytest.raises(guard_module.NonFiniteError, match=r"step 2: .*optimizer moments on rank 0"):
+        run_steps(manager, objs, 1)
+    assert saves(journal) == []
 
 
 def test_a_failure_stops_the_run_only_when_configured():
@@ -216,3 +233,38 @@ def test_fresh_start_claims_every_tier_for_one_run_id():
     assert manager.resume(objs) is None
     run_id = objs.train_state.run_id
     assert run_id and [e for e in journal if e[0] == "claim"] == [("claim", "local", run_id), ("claim", "global", run_id)]
+
+
+def test_save_on_best_commits_the_candidate_into_every_tier_saving_at_that_step():
+    journal: list = []
+    manager, objs, local, global_ = make(journal, local={"interval": 4}, global_={"interval": 10},
+                                         save="/unused", keep_best_k=2, save_on_best=True)
+    objs.train_state.step = 4
+    assert manager.propose_best(objs, {"val_loss": 2.0})
+    assert objs.train_state.best_checkpoints == []  # proposed: nothing changed yet
+    manager.maybe_save(objs)
+    assert saves(journal) == [("local", 4), ("global", 4)]  # GLOBAL at once, beside LOCAL's interval
+    assert local.captured == global_.captured == [(4, [[4, 2.0]])]  # a LOCAL resume keeps the record
+    assert objs.train_state.best_checkpoints == [[4, 2.0]]  # sealed (the fake tier saves synchronously)
+    objs.train_state.step = 5
+    assert not manager.propose_best(objs, {"val_loss": math.nan})
+    manager.maybe_save(objs)
+    assert saves(journal)[-1] == ("global", 4)  # no candidate, no interval: nothing saved
+
+
+def test_a_save_blocked_or_failed_at_a_best_candidate_leaves_the_records_unchanged():
+    journal: list = []
+    manager, objs, _, global_ = make(journal, global_={"fail_at": [6]}, save="/unused", keep_best_k=2,
+                                     save_on_best=True, on_nonfinite="skip")
+    objs.train_state.best_checkpoints = [[2, 3.0]]
+    objs.train_state.step = 4
+    manager.propose_best(objs, {"val_loss": 2.0})
+    manager.guard.bad_steps = [3]  # a non-finite step in the interval
+    manager.maybe_save(objs)
+    assert saves(journal) == [] and manager.blocked_steps == [4]
+    assert objs.train_state.best_checkpoints == [[2, 3.0]] and manager.best.pending is None
+    objs.train_state.step = 6
+    manager.propose_best(objs, {"val_loss": 1.0})
+    manager.maybe_save(objs)
+    assert saves(journal) == [("global", 6)] and global_.captured == [(6, [[6, 1.0], [2, 3.0]])]
+    assert objs.train_state.best_checkpoints == [[2, 3.0]]  # the save failed: records unchanged

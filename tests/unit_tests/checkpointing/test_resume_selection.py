@@ -165,3 +165,16 @@ def test_a_local_save_never_replaces_or_removes_another_runs_checkpoint_of_the_s
         assert {p.name: p.read_bytes() for p in rank_dir.iterdir()} == before
     finally:
         tier.close()
+
+
+def test_a_tracker_naming_a_missing_step_is_said(tmp_path, caplog):
+    """Found by the break-it pass: a tracker naming step 12 beside steps 6 and 8 was ignored silently."""
+    g = tmp_path / "global"
+    for s in (6, 8):
+        _global(g, s)
+    (g / paths.TRACKER_ITERATION).write_text("12\n")
+    with caplog.at_level("WARNING"):
+        chosen = selection.select(_tiers(tmp_path), family="runA")
+    assert chosen.step == 8
+    assert any("names step 12" in r.getMessage() and "no checkpoint of that step" in r.getMessage()
+               for r in caplog.records), caplog.text

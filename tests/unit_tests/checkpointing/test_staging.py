@@ -173,3 +173,22 @@ def test_format_1_local_file_with_crc32_manifest_still_loads(tmp_path, gloo_grou
     assert manifest.check_files(tmp_path, {path.name: entry}) is None
     entry["crc32"] ^= 1
     assert manifest.check_files(tmp_path, {path.name: entry}) == f"checksum-mismatch {path.name}"
+
+
+def test_a_local_write_error_names_the_file(tmp_path, monkeypatch):
+    """ENOSPC from ``os.write`` carries no path; the error the rank reports must name the file."""
+    import errno as errno_mod
+
+    from tierstack.checkpointing import errors
+
+    def full(fd, data):
+        raise OSError(errno_mod.ENOSPC, "No space left on device")
+
+    bufs = [torch.ones(16)]
+    path = tmp_path / "iter_0000003_0_local.pt"
+    monkeypatch.setattr(local_file.os, "write", full)
+    with pytest.raises(OSError) as info:
+        local_file.write(path, b"header", bufs)
+    line = errors.describe(info.value)
+    assert line.startswith("ENOSPC") and "iter_0000003_0_local.dirty.pt" in line, line
+    assert errors.classify(info.value) != errors.TRANSIENT

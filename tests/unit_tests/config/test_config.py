@@ -159,3 +159,32 @@ def test_checkpoint_paths_are_checked_before_any_work(tmp_path):
     ok.apply_overrides([f"checkpoint.save={tmp_path}/new/global", f"checkpoint.local_dir={tmp_path}/local"])
     ok.validate(1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # validation creates nothing
+
+
+def test_best_and_nonfinite_fields_are_refused_naming_the_field():
+    cfg = ConfigContainer()
+    cfg.checkpoint.keep_best_k = -1
+    cfg.checkpoint.best_metric = "val_accuracy"
+    cfg.checkpoint.on_nonfinite = "ignore"
+    cfg.checkpoint.save_on_best = True
+    cfg.train.eval_interval = None  # save_on_best without validation
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(world_size=1)
+    text = str(err.value)
+    assert "checkpoint.keep_best_k=-1: must be >= 0" in text
+    assert "checkpoint.best_metric='val_accuracy': unknown" in text
+    assert "checkpoint.on_nonfinite='ignore'" in text
+    assert "checkpoint.save_on_best needs validation: set train.eval_interval" in text
+    assert "checkpoint.save_on_best needs checkpoint.keep_best_k >= 1" in text
+
+
+def test_pretrained_best_needs_the_best_tracker(tmp_path):
+    cfg = ConfigContainer()
+    cfg.checkpoint.pretrained_checkpoint = f"{tmp_path}:best"
+    with pytest.raises(ConfigError, match=r"pretrained_checkpoint=.*:best: no readable best tracker"):
+        cfg.validate(world_size=1)
+    (tmp_path / "best_checkpointed_iteration.txt").write_text("20\n")
+    with pytest.raises(ConfigError, match=r"names step 20 but .*iter_0000020 does not exist"):
+        cfg.validate(world_size=1)
+    (tmp_path / "iter_0000020").mkdir()
+    cfg.validate(world_size=1)
