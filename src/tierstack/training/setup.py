@@ -134,7 +134,6 @@ def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
 def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextlib.ExitStack, register) -> SetupOutput:
     from tierstack.resiliency.restarts import record_start
 
-    record_start(Path(cfg.logger.run_dir))  # job-wide restart count; stops a job past --max-restarts
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
     from tierstack.data.datasets import check_training_data
     from tierstack.data.tokenizers import build_tokenizer
@@ -145,6 +144,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     tokenizer = build_tokenizer(cfg.tokenizer)
     # Before any run artifact (checkpoint directories, the mlflow run): bad data stops every rank here.
     check_training_data(cfg.dataset, tokenizer)
+    record_start(Path(cfg.logger.run_dir))  # job-wide restart count; stops a job past --max-restarts
     provider = gpt_model_provider(cfg, model_vocab_size(cfg, tokenizer))
     model = build_model(cfg, provider)
     optimizer = build_optimizer(cfg, model)
