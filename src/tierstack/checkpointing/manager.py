@@ -165,7 +165,11 @@ class CheckpointManager:
     def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection) -> None:
         c = self.cfg
         if (chosen.quarantined or chosen.missing) and not c.allow_fresh_start_on_invalid:
-            found = "; ".join(chosen.quarantined + chosen.missing)
+            # Collective (the selection is the same on every rank): files quarantined by an earlier
+            # launch are part of the story (a step now "missing" on a rank may be one of them).
+            kept = [f for f in run_family.evidence(list(self._tiers.values())) if ".invalid-" in f]
+            found = "; ".join(chosen.quarantined + chosen.missing
+                              + ([f"found quarantined {', '.join(kept[:8])}"] if kept else []))
             raise CheckpointLoadError(
                 f"checkpoints exist but none can be resumed on every rank ({found}; invalid ones quarantined as "
                 "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), enable "

@@ -37,7 +37,9 @@ def test_quarantine_names_the_rank_and_evidence_stops_every_relaunch(tmp_path):
             assert "of rank 0 is invalid" not in log
         else:
             assert "found " in log and ".invalid-checksum-mismatch-rank1" in log, log[-4000:]
-    assert (loc / "0" / "iter_0000002_0_local.pt.invalid-checksum-mismatch-rank1").exists()
+    # Only the file that failed its own check is quarantined (issue 9): rank 0's intact file stays.
+    assert [p.name for p in (loc / "1").glob("iter_0000002_1_local.pt.invalid-checksum-mismatch*")], list((loc / "1").iterdir())
+    assert (loc / "0" / "iter_0000002_0_local.pt").exists() and not list((loc / "0").glob("*.invalid-*"))
     rc, log, recs = run(tmp_path / "d", "train.train_iters=1", f"checkpoint.local_dir={loc}",
                         "checkpoint.allow_fresh_start_on_invalid=true")
     assert rc == 0 and recs[0]["resume"] is None, log[-4000:]
