@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -131,8 +132,11 @@ def launch(command: Sequence[str], *, nproc_per_node: int) -> int:
 
     Returns:
         0 when every rank succeeded; else the first failed rank's exit status (1 for a signal),
-        after torchrun's report of the failure.
+        after torchrun's report of the failure; ``128 + N`` when this launcher itself received
+        signal N (SIGTERM from a scheduler, Ctrl-C): torchrun has then stopped the ranks, each
+        of which turned the signal into a planned exit (the shell's convention for a signal).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -146,4 +150,9 @@ def launch(command: Sequence[str], *, nproc_per_node: int) -> int:
         print(str(exc), file=sys.stderr)
         _, failure = exc.get_first_failure()
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:
+        signum = int(exc.sigval)
+        print(f"tierstack: the launcher received {signal.Signals(signum).name}; torchrun stopped the ranks "
+              f"(exit status {128 + signum})", file=sys.stderr)
+        return 128 + signum
     return 0

@@ -24,3 +24,44 @@ def test_sigterm_on_one_rank_saves_global_and_stops_all(tmp_path, torchrun):
     assert [r["train_state"]["step"] for r in ranks] == [5, 5]
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     assert (run / "checkpoints" / "iter_0000005").is_dir()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_the_ranks_with_a_planned_exit_and_status_143(tmp_path):
+    """Found by the break-it pass: SIGTERM to `tierstack pretrain --nproc-per-node N` (what a scheduler
+    sends) printed torchrun's raw SignalException traceback and exited 1. Now torchrun stops the
+    ranks, each saves at its planned exit, and the launcher says what happened and exits 128 + 15."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tierstack.cli", "pretrain", "gpt_tiny", "--nproc-per-node", "1",
+           "distributed.tensor_model_parallel_size=1", "dataset.mock=true", "train.train_iters=100000",
+           "train.eval_interval=null", "mlflow=null", "straggler=null", f"logger.run_dir={run}",
+           f"checkpoint.save={run}/checkpoints", "checkpoint.save_interval=2", "checkpoint.local_save_interval=null"]
+    tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
+    with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=Path(__file__).resolve().parents[3],
+                                start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        try:
+            deadline = time.monotonic() + 240
+            while not tracker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert tracker.exists(), (tmp_path / "err.txt").read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)  # the launcher only, as `kill <pid>` or a scheduler would
+            rc = proc.wait(timeout=180)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stderr = (tmp_path / "err.txt").read_text()
+    assert rc == 128 + signal.SIGTERM, stderr[-4000:]
+    assert "the launcher received SIGTERM; torchrun stopped the ranks (exit status 143)" in stderr
+    assert "SignalException" not in stderr and "Traceback" not in stderr, stderr[-4000:]
+    assert "received SIGTERM" in stderr.replace("the launcher received SIGTERM", "")  # the rank's planned exit
+    saved = int(tracker.read_text())
+    assert saved >= 2 and (run / "checkpoints" / f"iter_{saved:07d}").is_dir()
