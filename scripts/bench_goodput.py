@@ -37,6 +37,10 @@ directory to ``<run>/rank<r>.json`` at start, which is how the injector finds it
 
 from __future__ import annotations
 
+import time
+
+_T_PROCESS = time.time()  # this interpreter's start (before the heavy imports): splits the restart time
+
 import argparse
 import json
 import os
@@ -47,7 +51,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,15 +66,40 @@ CONFIGS = {
 }
 
 
+class _LoadTimes:
+    """A logging handler that records the checkpoint manager's "resumed from ... in N s" line."""
+
+    def __init__(self, starts: Path, rank: int):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                m = re.match(r"resumed from (\w+) checkpoint of step (\d+) at .* in ([\d.]+)s", msg)
+                if m:
+                    with open(starts, "a") as f:
+                        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), "tier": m.group(1),
+                                            "step": int(m.group(2)), "load_s": float(m.group(3))}) + "\n")
+
+        self.handler = Handler(level=logging.INFO)
+        logging.getLogger("tierstack.checkpointing.manager").addHandler(self.handler)
+
+
 def worker(out: Path, overrides: list[str]) -> None:
-    """One rank: the main job's model, recording each iteration's end time."""
+    """One rank: the main job's model, recording each iteration's end time and, per process, when
+    its interpreter started, when the imports were done and how long the checkpoint load took
+    (``<run>/starts.jsonl``)."""
     from tierstack import pretrain
     from tierstack.recipes import gpt_tiny_config
 
+    t_imported = time.time()
     cfg = gpt_tiny_config().apply_overrides(overrides)
     rank = int(os.environ["RANK"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "local_dir": cfg.checkpoint.local_dir}))
+    with open(out / "starts.jsonl", "a") as f:
+        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_process": _T_PROCESS, "t_imported": t_imported}) + "\n")
+    _LoadTimes(out / "starts.jsonl", rank)
     record = open(out / f"steps_rank{rank}.jsonl", "a")
 
     def on_step(ts, result):
@@ -140,15 +168,34 @@ def _analyse(run: Path, kills: list) -> dict:
     steps = [json.loads(x) for x in (run / "steps_rank0.jsonl").read_text().splitlines()] if (run / "steps_rank0.jsonl").exists() else []
     text = (run / "launch.log").read_text(errors="replace")
     tiers = re.findall(r"resumed from (LOCAL|GLOBAL) checkpoint at iteration (\d+)", text)
-    lost, recover = [], []
-    for k in kills:
+    starts = [json.loads(x) for x in (run / "starts.jsonl").read_text().splitlines()] if (run / "starts.jsonl").exists() else []
+    lost, recover, parts = [], [], []
+    for i, k in enumerate(kills):
         before = [s for s in steps if s["t"] < k["t"]]
         after = [s for s in steps if s["t"] > k["t"]]
         if before and after:
             lost.append(before[-1]["step"] - (after[0]["step"] - 1))
             recover.append(after[0]["t"] - k["t"])
+            parts.append(_split(k["t"], after[0]["t"], starts))
     starts_from_zero = text.count("no checkpoint to resume from: fresh start") - 1
-    return {"lost": lost, "recover": recover, "tiers": [f"{t} {s}" for t, s in tiers] + ["scratch"] * max(0, starts_from_zero)}
+    return {"lost": lost, "recover": recover, "parts": parts,
+            "tiers": [f"{t} {s}" for t, s in tiers] + ["scratch"] * max(0, starts_from_zero)}
+
+
+def _split(t_kill: float, t_step: float, starts: list) -> dict:
+    """Kill to the first new step, in four parts (seconds): ``detect``: the launchers notice the
+    failure and start new processes (to the last rank's new interpreter); ``imports``: interpreter
+    and imports (to the last rank's imports done); ``load``: the checkpoint load (rank 0's log line);
+    ``setup``: the rest (distributed init, model, optimizer, data, resume selection, the first step)."""
+    new = [s for s in starts if "t_process" in s and t_kill < s["t_process"] < t_step]
+    if not new:
+        return {}
+    t_proc = max(s["t_process"] for s in new)
+    t_imp = max(s["t_imported"] for s in new)
+    pids = {s["pid"] for s in new}
+    load = sum(s["load_s"] for s in starts if "load_s" in s and s["pid"] in pids and s["rank"] == 0)
+    return {"detect": t_proc - t_kill, "imports": t_imp - t_proc, "load": load,
+            "setup": t_step - t_imp - load}
 
 
 def _calibrate(args, work: Path) -> dict:
@@ -217,13 +264,18 @@ def main() -> None:
     print(f"== goodput: gpt_tiny TP=1 on 2 simulated nodes x 1 rank, {args.iterations} iterations, a rank killed every "
           f"{args.fault_every_s:g}s (seed {args.seed}); LOCAL every {LOCAL_EVERY}, GLOBAL every {GLOBAL_EVERY}")
     print(f"failure-free: {reference['wall']:.1f}s (rc {reference['rc']}); work dir {work}")
-    head = f"{'configuration':<14}{'rc':>4}{'wall s':>9}{'goodput':>9}{'failures':>9}{'lost/fail':>10}{'fail->step s':>13}  resumed from"
+    head = (f"{'configuration':<14}{'rc':>4}{'wall s':>9}{'goodput':>9}{'failures':>9}{'lost/fail':>10}{'fail->step s':>13}"
+            f"{'detect':>8}{'imports':>8}{'setup':>7}{'load':>6}  resumed from")
     print(head + "\n" + "-" * len(head))
     for name in names:
         r = _run(name, CONFIGS[name], args, work, faults=True)
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+        part = lambda key: mean([p[key] for p in r["parts"] if key in p])  # noqa: E731
         print(f"{name:<14}{r['rc']:>4}{r['wall']:>9.1f}{reference['wall'] / r['wall']:>9.2f}{len(r['kills']):>9}"
-              f"{mean(r['lost']):>10.1f}{mean(r['recover']):>13.1f}  {', '.join(r['tiers']) or '-'}", flush=True)
+              f"{mean(r['lost']):>10.1f}{mean(r['recover']):>13.1f}{part('detect'):>8.1f}{part('imports'):>8.1f}"
+              f"{part('setup'):>7.1f}{part('load'):>6.2f}  {', '.join(r['tiers']) or '-'}", flush=True)
+    print("fail->step s = detect (launchers notice, new interpreters start) + imports + setup (init, model, data, "
+          "selection, first step) + load (checkpoint read, rank 0)")
 
 
 if __name__ == "__main__":
