@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python scripts/bench_goodput.py [--iterations auto] [--fault-every-s auto] [--fault-factor 4]
-        [--faults 2] [--seed 0] [--configs none,global,local_global,replicated,auto] [--timeout-factor 3]
+        [--global-every auto] [--faults 3] [--seed 0] [--configs none,global,local_global,replicated,auto] [--timeout-factor 3]
         [--work-dir DIR]
 
 First a calibration launch (``local_global``, one SIGKILL right after the first LOCAL save) measures
@@ -24,11 +24,13 @@ first new step, and the tier each restart resumed from. A configuration that has
 after ``--timeout-factor`` times the failure-free time is stopped (rc -9; without checkpoints a run
 whose failures come faster than it can finish never does).
 
-Status (issue 9): a first version, NOT validated. Its only run so far was a smoke run on a heavily
-loaded 2-core machine (load average 8-14 from other jobs): ``--iterations 20 --fault-every-s 25
---configs replicated`` took 65 s failure-free, and a restart there took longer than 25 s from kill
-to setup, so every restart was killed again before its first step (no progress; the launch was
-stopped). Hence the calibration: the fault interval now follows the measured restart time.
+``--global-every auto`` puts about two GLOBAL saves in each fault interval (in whole LOCAL
+intervals); LOCAL saves every 5 iterations (``auto``: Young/Daly with ``checkpoint.mtbf_s`` set to
+the fault interval). Failures here come every few tens of seconds instead of hours, so every
+interval is scaled down alike; the ratios between configurations are what carry over.
+
+The time from a failure to the first new step is split (columns ``detect``, ``imports``, ``setup``,
+``load``: see :func:`_split`). The README's "Goodput" section shows a run of this script.
 
 This process is also the worker (``RANK`` set by torchrun): it trains with ``pretrain`` and appends
 ``{"t", "step", "pid"}`` per iteration to ``<run>/steps_rank<r>.jsonl`` and its pid and node-local
@@ -54,16 +56,22 @@ import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GLOBAL_EVERY = 30  # GLOBAL interval of the checkpointing configurations (iterations)
-LOCAL_EVERY = 5
-CONFIGS = {
-    "none": [],
-    "global": [f"checkpoint.save_interval={GLOBAL_EVERY}"],
-    "local_global": [f"checkpoint.save_interval={GLOBAL_EVERY}", f"checkpoint.local_save_interval={LOCAL_EVERY}"],
-    "replicated": [f"checkpoint.save_interval={GLOBAL_EVERY}", f"checkpoint.local_save_interval={LOCAL_EVERY}",
-                   "checkpoint.replication_factor=2"],
-    "auto": [f"checkpoint.save_interval={GLOBAL_EVERY}", "checkpoint.local_save_interval=auto"],
-}
+LOCAL_EVERY = 5  # LOCAL interval of the fixed-interval configurations (iterations)
+NAMES = ("none", "global", "local_global", "replicated", "auto")
+
+
+def configs(global_every: int) -> dict:
+    """Overrides of each configuration, GLOBAL every ``global_every`` iterations where it saves.
+    ``none`` keeps nothing, so a restart there starts over (``allow_fresh_start_on_invalid``: the
+    node-local run file of the first start is not a checkpoint to refuse a fresh start for)."""
+    g = f"checkpoint.save_interval={global_every}"
+    return {
+        "none": ["checkpoint.allow_fresh_start_on_invalid=true"],
+        "global": [g],
+        "local_global": [g, f"checkpoint.local_save_interval={LOCAL_EVERY}"],
+        "replicated": [g, f"checkpoint.local_save_interval={LOCAL_EVERY}", "checkpoint.replication_factor=2"],
+        "auto": [g, "checkpoint.local_save_interval=auto"],
+    }
 
 
 class _LoadTimes:
@@ -218,7 +226,7 @@ def _calibrate(args, work: Path) -> dict:
                 kills.append({"t": time.time(), "rank": 1})
                 return
 
-    r = _run("calibration", CONFIGS["local_global"], cal, work, faults=False, injector=kill_after_first_seal)
+    r = _run("calibration", configs(6 * LOCAL_EVERY)["local_global"], cal, work, faults=False, injector=kill_after_first_seal)
     steps = [json.loads(x) for x in (run / "steps_rank0.jsonl").read_text().splitlines()]
     first = [s["t"] for s in steps if not kills or s["t"] < kills[0]["t"]]
     gaps = sorted(b - a for a, b in zip(first, first[1:]))
@@ -235,18 +243,21 @@ def main() -> None:
     p.add_argument("--fault-every-s", default="auto",
                    help="seconds between kills; auto: --fault-factor times the restart time measured first")
     p.add_argument("--fault-factor", type=float, default=4.0)
-    p.add_argument("--faults", type=int, default=2, help="failures per configuration aimed at by --iterations auto")
+    p.add_argument("--global-every", default="auto",
+                   help="GLOBAL interval (iterations); auto: about half the fault interval, in LOCAL intervals "
+                        "(GLOBAL saved twice between failures: far more often than on a real cluster)")
+    p.add_argument("--faults", type=int, default=3, help="failures per configuration aimed at by --iterations auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(NAMES))
     p.add_argument("--timeout-factor", type=float, default=3.0)
     p.add_argument("--work-dir", default=None)
     args = p.parse_args()
     args.limit_s = None
     work = Path(args.work_dir or f"/tmp/bench_goodput.{os.getpid()}")
     names = [c for c in args.configs.split(",") if c]
-    unknown = set(names) - set(CONFIGS)
+    unknown = set(names) - set(NAMES)
     if unknown:
-        p.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+        p.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(NAMES)}")
     cal = _calibrate(args, work)
     print(f"calibration: {cal['step_s']:.2f}s per iteration, restart (kill to first new step) {cal['restart_s']:.1f}s, "
           f"launch {cal['wall']:.1f}s (rc {cal['rc']})", flush=True)
@@ -256,19 +267,21 @@ def main() -> None:
                           else float(args.fault_every_s))
     args.iterations = (int(args.faults * args.fault_every_s / cal["step_s"]) + 1 if args.iterations == "auto"
                        else int(args.iterations))
+    global_every = (max(2, round(args.fault_every_s / cal["step_s"] / 2 / LOCAL_EVERY)) * LOCAL_EVERY
+                    if args.global_every == "auto" else int(args.global_every))
     estimate = (1 + len(names)) * (cal["wall"] + args.iterations * cal["step_s"]) + len(names) * args.faults * cal["restart_s"]
     print(f"fault every {args.fault_every_s:.0f}s, {args.iterations} iterations per configuration; "
           f"expected total about {estimate / 60:.0f} min", flush=True)
     reference = _run("failure_free", [], args, work, faults=False)
     args.limit_s = args.timeout_factor * reference["wall"]
     print(f"== goodput: gpt_tiny TP=1 on 2 simulated nodes x 1 rank, {args.iterations} iterations, a rank killed every "
-          f"{args.fault_every_s:g}s (seed {args.seed}); LOCAL every {LOCAL_EVERY}, GLOBAL every {GLOBAL_EVERY}")
+          f"{args.fault_every_s:g}s (seed {args.seed}); LOCAL every {LOCAL_EVERY}, GLOBAL every {global_every}")
     print(f"failure-free: {reference['wall']:.1f}s (rc {reference['rc']}); work dir {work}")
     head = (f"{'configuration':<14}{'rc':>4}{'wall s':>9}{'goodput':>9}{'failures':>9}{'lost/fail':>10}{'fail->step s':>13}"
             f"{'detect':>8}{'imports':>8}{'setup':>7}{'load':>6}  resumed from")
     print(head + "\n" + "-" * len(head))
     for name in names:
-        r = _run(name, CONFIGS[name], args, work, faults=True)
+        r = _run(name, configs(global_every)[name], args, work, faults=True)
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
         part = lambda key: mean([p[key] for p in r["parts"] if key in p])  # noqa: E731
         print(f"{name:<14}{r['rc']:>4}{r['wall']:>9.1f}{reference['wall'] / r['wall']:>9.2f}{len(r['kills']):>9}"
