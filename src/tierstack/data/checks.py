@@ -37,7 +37,7 @@ from tierstack.errors import BadInputError
 logger = logging.getLogger(__name__)
 
 SIDECAR_SUFFIX = ".meta.json"
-SIDECAR_VERSION = 1
+SIDECAR_VERSION = 2  # 2: the size and mtime of the .bin and .idx it describes
 _HEADER_BYTES = 34  # magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
 _REBUILD = "re-run `tierstack preprocess` to rebuild it"
 
@@ -128,8 +128,10 @@ def write_sidecar(prefix: str | Path, tokenizer, *, max_token_id: int, num_docum
     """Write ``<prefix>.meta.json`` beside the ``.bin``/``.idx`` (called by ``tierstack preprocess``).
 
     Fields: ``format_version``, ``tokenizer`` (:func:`tokenizer_identity`), ``max_token_id`` (-1 for
-    an empty dataset), ``num_documents``, ``num_tokens``, ``dtype`` (numpy name), ``bin_bytes``.
-    Written to a temporary name and renamed, so readers see a whole file or none.
+    an empty dataset), ``num_documents``, ``num_tokens``, ``dtype`` (numpy name), ``bin_bytes``,
+    ``files`` (``{".bin": [size bytes, mtime ns], ".idx": [...]}`` of the files as they are now:
+    call it after both are written). Written to a temporary name and renamed, so readers see a
+    whole file or none.
     """
     path = sidecar_path(prefix)
     meta = {
@@ -140,9 +142,20 @@ def write_sidecar(prefix: str | Path, tokenizer, *, max_token_id: int, num_docum
         "num_tokens": int(num_tokens),
         "dtype": str(dtype),
         "bin_bytes": int(num_tokens) * np.dtype(dtype).itemsize,
+        "files": _file_stats(prefix),
     }
     _replace_text(path, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def _file_stats(prefix: str | Path) -> dict:
+    """``{".bin": [size, mtime_ns], ".idx": [size, mtime_ns]}``: what tells a sidecar's files from
+    files rewritten in place later (same token count, other tokens), as ``make`` tells stale targets."""
+    out = {}
+    for ext in (".bin", ".idx"):
+        st = os.stat(f"{prefix}{ext}")
+        out[ext] = [int(st.st_size), int(st.st_mtime_ns)]
+    return out
 
 
 def _replace_text(path: Path, text: str) -> None:
@@ -176,8 +189,12 @@ def _read_sidecar(prefix: str, summary: IndexSummary) -> Optional[dict]:
         and meta.get("dtype") == summary.dtype.name and isinstance(meta.get("max_token_id"), int)
     )
     if not fits:
-        logger.warning("data check: %s does not describe the current .bin/.idx (rebuilt by another tool?); "
-                       "scanning the tokens instead", path)
+        logger.warning("data check: %s does not describe the current .bin/.idx (rebuilt by another tool, "
+                       "or written by an older tierstack?); scanning the tokens instead", path)
+        return None
+    if meta.get("files") != _file_stats(prefix):
+        logger.warning("data check: %s.bin/.idx changed after %s was written (size or modification time: "
+                       "rewritten or copied without -p?); scanning the tokens instead of trusting it", prefix, path)
         return None
     return meta
 

@@ -113,3 +113,22 @@ def test_check_datasets_raises_one_error_listing_every_file(corpus, tmp_path):
         checks.check_datasets([corpus, second], ByteTokenizer(), None)
     assert len(err.value.problems) == 2
     assert f"{corpus}.idx" in str(err.value) and f"{second}.bin" in str(err.value)
+
+
+def test_a_bin_rewritten_in_place_after_its_sidecar_is_scanned_not_trusted(corpus, tmp_path, caplog):
+    """Found by the break-it pass: the sidecar was trusted when the token count still matched, so a
+    .bin rewritten in place with out-of-vocabulary ids (same size) passed the check and trained
+    silently (at TP=2 as zero embeddings). The sidecar now records each file's size and mtime."""
+    import numpy as np
+
+    meta = json.loads(checks.sidecar_path(corpus).read_text())
+    data = np.fromfile(f"{corpus}.bin", dtype=meta["dtype"])
+    data[len(data) // 2] = 300  # beyond the byte vocabulary (257), same size, same token count
+    time_before = os.stat(f"{corpus}.bin").st_mtime_ns
+    data.tofile(f"{corpus}.bin")
+    os.utime(f"{corpus}.bin", ns=(time_before + 10**9, time_before + 10**9))  # a later write, whatever the clock
+    with caplog.at_level(logging.WARNING):
+        problems, line = checks.check_prefix(corpus, ByteTokenizer(), None)
+    assert "scanned" in line and "no scan" not in line
+    assert any("outside the vocabulary 0..256" in p and f"{corpus}.bin" in p for p in problems), problems
+    assert "changed after" in caplog.text and f"{corpus}.meta.json" in caplog.text
