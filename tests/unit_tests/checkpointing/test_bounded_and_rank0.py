@@ -4,6 +4,7 @@ fail after its collectives. Real gloo process groups (file store, no port), real
 
 import errno
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -13,19 +14,37 @@ from tierstack.checkpointing import errors, global_writer, rank0_phases, retry
 from tierstack.runtime import collectives as _dist
 
 
-def _bounded_rank(rank: int, store: str, gone: str, out) -> None:
+def _prepare_agreement(rank: int):
+    """Nothing to set up: the collective is an agreement (:func:`retry.run_agreed`)."""
+    return lambda: retry.run_agreed(lambda: None)
+
+
+def _prepare_replication(rank: int):
+    """NVRx creates the clique groups (every rank takes part); the collective is the exchange."""
+    from tierstack.checkpointing.replication import Replicator
+
+    replicator = Replicator(factor=2, jump=1, rank=rank, world_size=2)
+    replicator.strategy
+    return lambda: replicator.replicate(10, {"files": {}}, torch.zeros(16, dtype=torch.uint8))
+
+
+def _rank_with_an_absent_peer(rank: int, store: str, gone: str, out, prepare) -> None:
+    """One of 2 gloo ranks: both run ``prepare`` (bounded at 2 s); then rank 1 stays away while rank 0
+    runs the collective ``prepare`` returned, bounded at 2 s, and reports what it raised and when."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
+        with _dist.bounded(2.0, 600.0):
+            collective = prepare(rank)
         if rank == 1:  # the peer that never arrives: waits until rank 0 has given up
             deadline = time.monotonic() + 60
-            while not __import__("os").path.exists(gone) and time.monotonic() < deadline:
+            while not os.path.exists(gone) and time.monotonic() < deadline:
                 time.sleep(0.1)
             out.put(("peer", None))
             return
         t0 = time.monotonic()
         try:
             with _dist.bounded(2.0, 600.0):
-                retry.run_agreed(lambda: None)  # an agreement the peer never joins
+                collective()
             out.put(("rank0", ("no error", time.monotonic() - t0)))
         except errors.CollectiveFailure as e:
             out.put(("rank0", (type(e).__name__, time.monotonic() - t0)))
@@ -34,23 +53,29 @@ def _bounded_rank(rank: int, store: str, gone: str, out) -> None:
         torch.distributed.destroy_process_group() if rank == 0 else None
 
 
-def test_agreement_with_a_missing_peer_fails_within_the_collective_timeout(tmp_path):
-    """A rank that never enters the agreement makes it fail on the other rank within
-    ``checkpoint.collective_timeout_s`` (here 2 s), as CollectiveFailure, not after the 600 s
-    training timeout."""
+def _rank0_outcome(tmp_path, prepare, timeout: float) -> tuple:
+    """Run :func:`_rank_with_an_absent_peer` on 2 spawned ranks: ``(exception name, seconds)`` of rank 0."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_bounded_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "gone"), out))
+    procs = [ctx.Process(target=_rank_with_an_absent_peer,
+                         args=(r, str(tmp_path / "store"), str(tmp_path / "gone"), out, prepare))
              for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got = dict(out.get(timeout=timeout) for _ in procs)
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():
             p.kill()
-    kind, seconds = got["rank0"]
-    assert kind == "CollectiveError", got  # errors.CollectiveFailure is runtime.collectives.CollectiveError
+    return got["rank0"]
+
+
+def test_agreement_with_a_missing_peer_fails_within_the_collective_timeout(tmp_path):
+    """A rank that never enters the agreement makes it fail on the other rank within
+    ``checkpoint.collective_timeout_s`` (here 2 s), as CollectiveFailure, not after the 600 s
+    training timeout."""
+    kind, seconds = _rank0_outcome(tmp_path, _prepare_agreement, timeout=120)
+    assert kind == "CollectiveError", (kind, seconds)  # errors.CollectiveFailure is runtime.collectives.CollectiveError
     assert seconds < 30, seconds  # bounded by the 2 s timeout (plus start-up on a loaded machine)
 
 
@@ -132,47 +157,10 @@ def test_transient_rank0_metadata_error_reruns_only_the_failed_write(gloo_group,
     assert torch.equal(loaded["w"], torch.arange(8.0))
 
 
-def _replicating_rank(rank: int, store: str, gone: str, out) -> None:
-    from tierstack.checkpointing.replication import Replicator
-
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        replicator = Replicator(factor=2, jump=1, rank=rank, world_size=2)
-        with _dist.bounded(2.0, 600.0):
-            replicator.strategy  # NVRx creates the clique groups: every rank takes part
-        if rank == 1:  # then never joins the exchange: a member gone or hung
-            deadline = time.monotonic() + 60
-            while not __import__("os").path.exists(gone) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            out.put(("peer", None))
-            return
-        t0 = time.monotonic()
-        try:
-            with _dist.bounded(2.0, 600.0):
-                replicator.replicate(10, {"files": {}}, torch.zeros(16, dtype=torch.uint8))
-            out.put(("rank0", ("no error", time.monotonic() - t0)))
-        except errors.CollectiveFailure as e:
-            out.put(("rank0", (type(e).__name__, time.monotonic() - t0)))
-        open(gone, "w").close()
-    finally:
-        torch.distributed.destroy_process_group() if rank == 0 else None
-
-
 def test_local_replication_with_a_missing_clique_member_fails_within_the_collective_timeout(tmp_path):
     """Issue 9 on issue 10: NVRx's clique groups (created with torch's default timeout of 30 min)
     are bounded like every checkpoint collective: a member that never joins the exchange fails it on
     the other within ``checkpoint.collective_timeout_s`` (here 2 s), as CollectiveError."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_replicating_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "gone"), out))
-             for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=150) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        if p.is_alive():
-            p.kill()
-    kind, seconds = got["rank0"]
-    assert kind == "CollectiveError", got
+    kind, seconds = _rank0_outcome(tmp_path, _prepare_replication, timeout=150)
+    assert kind == "CollectiveError", (kind, seconds)
     assert seconds < 30, seconds
