@@ -45,6 +45,7 @@ _T_PROCESS = time.time()  # this interpreter's start (before the heavy imports):
 
 import argparse
 import json
+import logging
 import os
 import random
 import re
@@ -74,23 +75,19 @@ def configs(global_every: int) -> dict:
     }
 
 
-class _LoadTimes:
-    """A logging handler that records the checkpoint manager's "resumed from ... in N s" line."""
+class _LoadTimes(logging.Handler):
+    """Appends the checkpoint manager's "resumed from ... in N s" line, as numbers, to ``starts``."""
 
     def __init__(self, starts: Path, rank: int):
-        import logging
+        super().__init__(level=logging.INFO)
+        self.starts, self.rank = starts, rank
 
-        class Handler(logging.Handler):
-            def emit(self, record):
-                msg = record.getMessage()
-                m = re.match(r"resumed from (\w+) checkpoint of step (\d+) at .* in ([\d.]+)s", msg)
-                if m:
-                    with open(starts, "a") as f:
-                        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t": time.time(), "tier": m.group(1),
-                                            "step": int(m.group(2)), "load_s": float(m.group(3))}) + "\n")
-
-        self.handler = Handler(level=logging.INFO)
-        logging.getLogger("tierstack.checkpointing.manager").addHandler(self.handler)
+    def emit(self, record: logging.LogRecord) -> None:
+        m = re.match(r"resumed from (\w+) checkpoint of step (\d+) at .* in ([\d.]+)s", record.getMessage())
+        if m:
+            with open(self.starts, "a") as f:
+                f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "t": time.time(), "tier": m.group(1),
+                                    "step": int(m.group(2)), "load_s": float(m.group(3))}) + "\n")
 
 
 def worker(out: Path, overrides: list[str]) -> None:
@@ -107,7 +104,7 @@ def worker(out: Path, overrides: list[str]) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "local_dir": cfg.checkpoint.local_dir}))
     with open(out / "starts.jsonl", "a") as f:
         f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_process": _T_PROCESS, "t_imported": t_imported}) + "\n")
-    _LoadTimes(out / "starts.jsonl", rank)
+    logging.getLogger("tierstack.checkpointing.manager").addHandler(_LoadTimes(out / "starts.jsonl", rank))
     record = open(out / f"steps_rank{rank}.jsonl", "a")
 
     def on_step(ts, result):
