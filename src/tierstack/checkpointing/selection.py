@@ -116,7 +116,7 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
         if _dist.rank() == 0:
             log.warning("resume: %s checkpoint of step %d failed its check on rank %d (%s); quarantined",
                         tier.value, step, bad_rank, reason)
-        if not getattr(by_tier[tier], "per_rank_files", False):  # shared: invalid as a whole
+        if not by_tier[tier].per_rank_files:  # shared: invalid as a whole
             by_tier[tier].quarantine(cand, f"{reason.split(' ')[0]}-rank{bad_rank}")
         elif local is not None:  # per rank: only the files that failed their own check
             by_tier[tier].quarantine(cand, f"{local.split(' ')[0]}-rank{_dist.rank()}")
