@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import cProfile
 import io
 import logging
@@ -378,7 +379,24 @@ def measure_resume(b: Bench, cfg, roots: list[Path], reps: int, expect) -> dict[
             if info is None or info.tier is not expect:
                 raise RuntimeError(f"resume loaded {info}, expected a {expect} checkpoint")
             out[kind].append(s)
+            gc.collect()
+            out.setdefault("mapped", []).append(max_over_ranks(float(mapped_bytes(roots))))
     return out
+
+
+def mapped_bytes(roots: list[Path]) -> int:
+    """Bytes of files under ``roots`` this process still maps (``/proc/self/maps``): after a resume
+    nothing should be (a LOCAL load reads through a mapping that the loaded state must not keep;
+    a kept one would also keep the "cold" resume warm)."""
+    prefixes = [str(Path(r).resolve()) for r in roots]
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and any(parts[5].strip().startswith(p) for p in prefixes):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                total += hi - lo
+    return total
 
 
 # ----------------------------------------------------------------------------------------------- peers
@@ -503,6 +521,9 @@ def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss, guard) -
     print("resident memory growth from save 2 to save {n} (largest over ranks; bound: 0.05x the state = "
           "{bound:.0f} MiB): ".format(n=args.rss_saves, bound=0.05 * b.state_bytes / 2**20)
           + ", ".join(f"{k} {v[1] / 2**20:+.0f} MiB" for k, v in rss.items()))
+    print("checkpoint bytes still mapped after a resume (largest over ranks and repetitions; must be 0, or "
+          "the cold figures were warm): " + ", ".join(f"{k} {max(v['mapped']):.0f} B" for k, v in
+                                                       (("GLOBAL", rg), ("LOCAL", rl), ("LOCAL on tmpfs", rt))))
     wr = [("GLOBAL sync", statistics.median(gs["bytes"])), ("GLOBAL async", statistics.median(ga["bytes"])),
           ("LOCAL", statistics.median(lo["bytes"]))]
     wr += [(k, statistics.median(v["bytes"])) for k, v in peers.items()]

@@ -169,6 +169,7 @@ class GlobalTier(StagedTier):
         }
         captured = dict(objs.train_state.state_dict())
         if _dist.rank() == 0:  # nothing in flight now: what an interrupted save left is not ours to keep
+            self._retention_idle()  # the previous save's retention works in the same folder
             paths.remove_leftovers(self.save_root, run_id)
 
         def attempt(n: int):
@@ -268,14 +269,11 @@ class GlobalTier(StagedTier):
         man = paths.read_json(path / paths.MANIFEST) if _dist.rank() == 0 else None
         size = _dist.broadcast_object(int(man["bytes"]) if man else 0)
         log.info("GLOBAL checkpoint of step %d published at %s (%d bytes, blocked %.2fs)", step, path, size, blocked_s)
-        if _dist.rank() == 0:
-            try:  # the top-K records published with this checkpoint protect their steps
-                retention.prune_global(self.save_root, run_id, step, self.cfg.most_recent_k,
-                                       best.protected_steps(train_state))
-                budget = self.cfg.quarantine_budget_bytes
-                retention.prune_quarantined(self.save_root, size if budget is None else budget)
-            except OSError as e:  # retention never fails a save
-                log.warning("GLOBAL retention after step %d failed: %s", step, e)
+        if _dist.rank() == 0:  # the top-K records published with this checkpoint protect their steps
+            root, k, keep = self.save_root, self.cfg.most_recent_k, best.protected_steps(train_state)
+            budget = size if self.cfg.quarantine_budget_bytes is None else self.cfg.quarantine_budget_bytes
+            self._retain(lambda: (retention.prune_global(root, run_id, step, k, keep),
+                                  retention.prune_quarantined(root, budget)), f"after step {step}")
         self.published.append(step)
         self._on_publish(SaveEvent(self.tier, step, str(path), size, blocked_s, train_state))
 

@@ -13,9 +13,9 @@ Layout (little-endian)::
 
 Why not ``torch.save`` of the whole state (what NVRx's LocalCheckpointManager writes): the tensor
 bytes go to the file straight from the staging buffers with ``os.write`` (no pickling of tensors,
-GIL released), the checksum is computed over the same chunks as they are written, and a load reads
-the file once into one host buffer whose checksum is verified before any tensor is built from it;
-the tensors are then views of that buffer (no second copy). Files of format 1 (a ``torch.save`` zip,
+GIL released), the checksum is computed over the same chunks as they are written, and a load maps
+the file once (its page-cache pages, no copy) and verifies its checksum before any tensor is built
+from it; the tensors are then views of that mapping (private: writes never reach the file). Files of format 1 (a ``torch.save`` zip,
 starting with ``PK``) are still read.
 """
 
@@ -25,7 +25,7 @@ import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -154,10 +154,18 @@ def check_bytes(data: torch.Tensor, entry: dict, name: str) -> None:
 
 
 def read_verified(path: Path, entry: dict) -> torch.Tensor:
-    """Read ``path`` once into a host buffer, checking size and checksum against ``entry``.
+    """Read ``path`` once, checking size and checksum against ``entry``.
+
+    The file is mapped privately and checksummed as its pages come in
+    (:func:`manifest.map_checksummed`): the returned bytes are the page cache's own, with no copy
+    into process memory and no page faults of a fresh buffer (a 1.13 GiB file on the development
+    machine: read and checksum 0.80 s -> 0.11 s warm, 0.83 s -> 0.59 s cold). Writes to the
+    returned tensor, or to tensors that view it, never reach the file; a caller that keeps such
+    views past the load should copy them (:func:`state.own_optimizer_state`). Where the kernel has
+    no ``MADV_POPULATE_READ`` the file is read into a buffer instead, with the same checks.
 
     Returns:
-        A uint8 tensor holding the whole file.
+        A uint8 tensor of the file's bytes (shape ``[size]``).
 
     Raises:
         LocalFileError: size or checksum differ from the manifest entry (the message says which);
@@ -171,30 +179,46 @@ def read_verified(path: Path, entry: dict) -> torch.Tensor:
         size = os.fstat(f.fileno()).st_size
         if size != int(entry["size"]):
             raise LocalFileError(f"size-mismatch {path.name} ({size} != {entry['size']} bytes)")
-        data = torch.empty(size, dtype=torch.uint8)
-        view, value = _bytes_view(data), 0
-
-        def read(lo: int) -> int:
-            hi, got = min(lo + _CHUNK, size), lo
-            while got < hi:
-                n = f.readinto(view[got:hi])
-                if not n:
-                    raise LocalFileError(f"size-mismatch {path.name} (ended at {got} of {size} bytes)")
-                got += n
-            return hi
-
-        # Pipelined: a helper thread reads chunk i+1 while this one checksums chunk i (both release
-        # the GIL), so a cold read costs about the read alone.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstack-local-read") as pool:
-            lo, pending = 0, pool.submit(read, 0) if size else None
-            while pending is not None:
-                hi = pending.result()
-                pending = pool.submit(read, hi) if hi < size else None
-                value = update(view[lo:hi], value)
-                lo = hi
+        got = _map(f, size, update)
+        data, value = got if got is not None else _read(f, size, update, path)
     if value != int(entry[algo]):
         raise LocalFileError(f"checksum-mismatch {path.name}")
     return data
+
+
+def _map(f, size: int, update: Callable) -> Optional[tuple[torch.Tensor, int]]:
+    """The mapped read of :func:`read_verified`; None where the kernel cannot populate a mapping."""
+    got = manifest.map_checksummed(f, size, update)
+    if got is None:
+        return None
+    mm, value = got
+    return torch.frombuffer(mm, dtype=torch.uint8), value
+
+
+def _read(f, size: int, update: Callable, path: Path) -> tuple[torch.Tensor, int]:
+    """The buffered read of :func:`read_verified` (kernels without ``MADV_POPULATE_READ``)."""
+    data = torch.empty(size, dtype=torch.uint8)
+    view, value = _bytes_view(data), 0
+
+    def read(lo: int) -> int:
+        hi, got = min(lo + _CHUNK, size), lo
+        while got < hi:
+            n = f.readinto(view[got:hi])
+            if not n:
+                raise LocalFileError(f"size-mismatch {path.name} (ended at {got} of {size} bytes)")
+            got += n
+        return hi
+
+    # Pipelined: a helper thread reads chunk i+1 while this one checksums chunk i (both release
+    # the GIL), so a cold read costs about the read alone.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstack-local-read") as pool:
+        lo, pending = 0, pool.submit(read, 0) if size else None
+        while pending is not None:
+            hi = pending.result()
+            pending = pool.submit(read, hi) if hi < size else None
+            value = update(view[lo:hi], value)
+            lo = hi
+    return data, value
 
 
 def decode(data: torch.Tensor, path: Path) -> Any:

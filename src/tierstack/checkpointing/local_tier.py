@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing import compat, errors, local_file, local_replicas, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import compat, errors, local_exchange, local_file, local_replicas, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
@@ -161,6 +161,7 @@ class LocalTier(StagedTier):
         c = self.cfg
         ckpt, man_path = self._paths(step)
         self.rank_dir.mkdir(parents=True, exist_ok=True)
+        self._retention_idle()  # the previous save's retention works in the same folder
         try:  # nothing of this tier is in flight: what an interrupted save left is not a checkpoint
             paths.remove_leftovers(self.rank_dir, run_id)
         except OSError as e:  # listing the folder failed: the write below reports what is wrong
@@ -248,13 +249,11 @@ class LocalTier(StagedTier):
         self.last_durable_s = time.perf_counter() - job.started
         if self.layout.local_rank == 0:
             paths.write_run_file(self.root, job.run_id)
-        try:
-            retention.prune_local(self.rank_dir, self.layout.rank, job.run_id, job.step,
-                                  self.cfg.most_recent_k)
-            budget = self.cfg.quarantine_budget_bytes
-            retention.prune_quarantined(self.rank_dir, int(job.job.result()) if budget is None else budget)
-        except OSError as e:
-            log.warning("LOCAL retention after step %d failed: %s", job.step, e)
+        budget = self.cfg.quarantine_budget_bytes
+        budget = int(job.job.result()) if budget is None else budget
+        rank_dir, rank, run_id, step, k = self.rank_dir, self.layout.rank, job.run_id, job.step, self.cfg.most_recent_k
+        self._retain(lambda: (retention.prune_local(rank_dir, rank, run_id, step, k),
+                              retention.prune_quarantined(rank_dir, budget)), f"after step {step}")
         if self.layout.rank == 0:
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
                      job.step, self.root, job.blocked_s, self.last_durable_s)
@@ -342,8 +341,14 @@ class LocalTier(StagedTier):
             data = local_file.read_verified(self.rank_dir / name, entry)
         self._verified.clear()
         tasd = local_file.decode(data, ckpt)
-        del data
         sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)
-        loaded = tasd.to_state_dict(sd, algo="fully_parallel")
+        before = ckpt_state.optimizer_state_tensors(objs.optimizer) if optim else {}
+        local_exchange.fill_missing(tasd)  # replicas another rank saved: a few packed broadcasts
+        loaded = tasd.to_state_dict(sd, algo="atomic")  # every tensor is here now: no per-tensor exchange
+        del tasd
         ckpt_state.apply(objs, loaded, optim=optim, rng=rng)
+        del loaded
+        if optim:  # the loaded Adam state must not stay a view of the mapped file
+            ckpt_state.own_optimizer_state(objs.optimizer, before, data)
+        del data
         return str(self.root)

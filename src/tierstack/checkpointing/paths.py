@@ -61,17 +61,24 @@ def staging_dir_name(step: int, run_id: str, attempt: int) -> str:
     return f"{step_dir_name(step)}.staging-{run_id}-{attempt}"
 
 
+def deleting_dir_name(step: int, run_id: str) -> str:
+    """What retention renames a GLOBAL step directory of run ``run_id`` to before deleting it."""
+    return f"{step_dir_name(step)}.deleting-{run_id}"
+
+
 def is_leftover(name: str) -> bool:
-    """Whether ``name`` in a tier root or rank folder is left by an interrupted save: a GLOBAL
-    staging directory, a LOCAL ``.dirty`` file, or a temp file of an atomic write."""
-    return ".staging-" in name or name.endswith(".dirty.pt") or ".tmp-" in name
+    """Whether ``name`` in a tier root or rank folder is left by an interrupted save or deletion: a
+    GLOBAL staging directory, a GLOBAL directory retention was deleting, a LOCAL ``.dirty`` file,
+    or a temp file of an atomic write."""
+    return ".staging-" in name or ".deleting-" in name or name.endswith(".dirty.pt") or ".tmp-" in name
 
 
 def remove_leftovers(folder: Path, run_id: str) -> list[Path]:
     """Remove what interrupted saves left in ``folder`` (a GLOBAL root or a LOCAL rank folder):
-    staging directories of run ``run_id``, ``.dirty`` files, temp files of atomic writes made by
-    other processes. Another run's staging directories are left alone (they may be that run's save
-    in progress; ``checkpoints verify`` lists them as leftovers). A removal that fails is logged.
+    staging directories of run ``run_id`` and its directories retention was deleting, ``.dirty``
+    files, temp files of atomic writes made by other processes. Another run's staging directories
+    are left alone (they may be that run's save in progress; ``checkpoints verify`` lists them as
+    leftovers). A removal that fails is logged.
 
     Returns:
         The paths removed.
@@ -83,14 +90,15 @@ def remove_leftovers(folder: Path, run_id: str) -> list[Path]:
         name = p.name
         if not is_leftover(name) or name.endswith(f".tmp-{os.getpid()}"):
             continue
-        if ".staging-" in name and f".staging-{run_id}-" not in name:
+        if (".staging-" in name and f".staging-{run_id}-" not in name) or (
+                ".deleting-" in name and not name.endswith(f".deleting-{run_id}")):
             continue
         try:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         except OSError as e:
             log.warning("could not remove %s, left by an interrupted save: %s", p, e)
             continue
-        log.info("removed %s, left by an interrupted save", p)
+        log.info("removed %s, left by an interrupted save or deletion", p)
         removed.append(p)
     return removed
 

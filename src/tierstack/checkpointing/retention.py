@@ -54,7 +54,10 @@ def prune_global(root: Path, run_id: str, published: int, k: int,
     removed = []
     for step in steps_to_delete(own, published, k, protected or ()):
         log.info("retention: removing GLOBAL checkpoint %s (most_recent_k=%d)", own[step], k)
-        if _try(shutil.rmtree, own[step]):
+        # renamed first (one atomic step: no longer a resume candidate, never seen half deleted),
+        # then deleted; what a crash leaves is a leftover the next save removes
+        doomed = own[step].with_name(paths.deleting_dir_name(step, run_id))
+        if _try(lambda p: (p.rename(doomed), shutil.rmtree(doomed)), own[step]):
             removed.append(step)
     return removed
 

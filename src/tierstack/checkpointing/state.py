@@ -53,6 +53,54 @@ def prepare_optimizer_for_load(optimizer: Any) -> None:
             init()
 
 
+def optimizer_state_tensors(optimizer: Any) -> dict[tuple[int, int, str], torch.Tensor]:
+    """Every tensor of the inner torch optimizers' per-parameter state (Adam moments, ...), keyed by
+    (inner optimizer index, ``id`` of the parameter, state key)."""
+    out = {}
+    for i, opt in enumerate(inner_optimizers(optimizer)):
+        torch_opt = getattr(opt, "optimizer", opt)
+        for p, st in getattr(torch_opt, "state", {}).items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    out[(i, id(p), k)] = v
+    return out
+
+
+@torch.no_grad()
+def own_optimizer_state(optimizer: Any, before: dict[tuple[int, int, str], torch.Tensor],
+                        source: torch.Tensor) -> int:
+    """Make the optimizer state own its memory again after a load from ``source``'s bytes.
+
+    ``torch.optim.Optimizer.load_state_dict`` (and megatron's optimizers, which call it) keeps the
+    loaded tensors themselves when dtype and device already match: after a LOCAL load the Adam
+    moments would be views of the mapped checkpoint file (:func:`local_file.read_verified`), so the
+    first step after a resume would pay a copy-on-write fault per page it updates, and the file
+    could not free its space after retention deletes it. Each such tensor is copied back into the
+    tensor the optimizer held before the load (``before``: :func:`optimizer_state_tensors` after
+    :func:`prepare_optimizer_for_load`; same shape and dtype), or cloned where there is none.
+
+    Args:
+        source: the 1-D uint8 tensor whose memory the loaded tensors may view.
+
+    Returns:
+        Bytes copied.
+    """
+    lo, hi = source.data_ptr(), source.data_ptr() + source.numel()
+    copied = 0
+    for i, opt in enumerate(inner_optimizers(optimizer)):
+        for p, st in getattr(getattr(opt, "optimizer", opt), "state", {}).items():
+            for k, t in list(st.items()):
+                if not isinstance(t, torch.Tensor) or not lo <= t.data_ptr() < hi:
+                    continue
+                old = before.get((i, id(p), k))
+                if old is not None and old.shape == t.shape and old.dtype == t.dtype and not lo <= old.data_ptr() < hi:
+                    st[k] = old.copy_(t)
+                else:
+                    st[k] = t.clone()
+                copied += t.numel() * t.element_size()
+    return copied
+
+
 def rng_object(world_size: int, rank: int, state: Any):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 

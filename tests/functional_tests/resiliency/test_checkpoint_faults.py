@@ -264,9 +264,10 @@ def test_sigkill_of_one_rank_during_global_write(tmp_path):
     assert published_global(g) == [1, 2], run["log"][-4000:]
     text, status = listing.verify(str(g))
     assert status == 0 and "leftover" in text, text
-    # the next launch also keeps 2 checkpoints: retention of step 1 fails once (EIO) at step 3's
-    # publish, which stays published; step 4's publish removes 1 and 2
-    ret = [fault("retention-r0-EIO", "remove", f"{g}/iter_0000001", 0, "EIO")]
+    # the next launch also keeps 2 checkpoints: retention of step 1 (on rank 0's retention thread)
+    # renames it out of the candidates, then deleting it fails once (EIO) after step 3's publish,
+    # which stays published; step 4's save removes what is left of 1, its publish removes 2
+    ret = [fault("retention-r0-EIO", "remove", f"{g}/iter_0000001.deleting-*", 0, "EIO")]
     nxt = launch(tmp_path / "b", ret, "train.train_iters=4", f"checkpoint.save={g}", "checkpoint.save_interval=1",
                  "checkpoint.most_recent_k=2")
     assert nxt["rc"] == 0, nxt["log"][-4000:]
@@ -275,9 +276,10 @@ def test_sigkill_of_one_rank_during_global_write(tmp_path):
     assert [f for f, _, _ in nxt["fired"]] == ["retention-r0-EIO"]
     assert "retention: could not remove" in nxt["log"] and nxt["records"][0]["published"] == [3, 4]
     assert published_global(g) == [3, 4]
+    assert not [p.name for p in g.iterdir() if ".deleting-" in p.name or p.name == "iter_0000001"]
     record("global sync", "write", "kill-r1-write", 1, "SIGKILL", 1,
            f"all exited {seconds_to_exit(run, 'kill-r1-write'):.0f}s after the kill", 2, run["wall_s"])
-    record("global sync", "retention", "retention-r0-EIO", 0, "EIO", 2, "step kept published; pruned at next publish",
+    record("global sync", "retention", "retention-r0-EIO", 0, "EIO", 2, "step kept published; its remains removed by the next save",
            2, nxt["wall_s"])
 
 

@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,14 +41,19 @@ def test_retention_keeps_k_newest_and_never_newer_than_published():
     assert retention.steps_to_delete([10, 20, 30], published=30, k=-1) == []
 
 
-def test_prune_global_leaves_other_runs_and_staging(tmp_path):
+def test_prune_global_leaves_other_runs_and_staging(tmp_path, monkeypatch):
     for s in (999, 1000, 1001):
         _global_ckpt(tmp_path, s)
     foreign = _global_ckpt(tmp_path, 5, run_id="runB")
     staging = tmp_path / paths.staging_dir_name(998, "runA", 1)
     staging.mkdir()
+    renames, real_rename = [], Path.rename
+    monkeypatch.setattr(Path, "rename", lambda self, target: renames.append((self.name, Path(target).name))
+                        or real_rename(self, target))
     deleted = retention.prune_global(tmp_path, "runA", published=1001, k=2)
     assert deleted == [999]
+    # renamed out of the candidates in one step before its files go
+    assert renames == [("iter_0000999", paths.deleting_dir_name(999, "runA"))]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["iter_0001000", "iter_0001001", foreign.name, staging.name]
     )
@@ -242,11 +248,12 @@ def test_step_disagreement_is_damage(tmp_path, where):
 def test_leftovers_of_this_run_are_removed_and_another_runs_staging_is_kept(tmp_path):
     """What the next save of a tier removes (issue 10): its own staging directories, .dirty files and
     temp files of other processes; never a checkpoint, nor another run's staging (maybe in progress)."""
-    keep = [_global_ckpt(tmp_path, 10).name, paths.staging_dir_name(30, "runB", 1),
+    keep = [_global_ckpt(tmp_path, 10).name, paths.staging_dir_name(30, "runB", 1), paths.deleting_dir_name(5, "runB"),
             f".latest_checkpointed_iteration.txt.tmp-{os.getpid()}"]  # this process's own write in progress
-    gone = [paths.staging_dir_name(20, "runA", 1), "iter_0000020_0_local.dirty.pt", ".run.json.tmp-999999"]
+    gone = [paths.staging_dir_name(20, "runA", 1), "iter_0000020_0_local.dirty.pt", ".run.json.tmp-999999",
+            paths.deleting_dir_name(7, "runA")]  # a retention deletion a crash interrupted
     for name in keep[1:] + gone:
-        (tmp_path / name).mkdir() if "staging" in name else (tmp_path / name).write_bytes(b"x")
+        (tmp_path / name).mkdir() if "staging" in name or "deleting" in name else (tmp_path / name).write_bytes(b"x")
     removed = paths.remove_leftovers(tmp_path, "runA")
     assert sorted(p.name for p in removed) == sorted(gone)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keep)

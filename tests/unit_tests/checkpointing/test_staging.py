@@ -192,3 +192,68 @@ def test_a_local_write_error_names_the_file(tmp_path, monkeypatch):
     line = errors.describe(info.value)
     assert line.startswith("ENOSPC") and "iter_0000003_0_local.dirty.pt" in line, line
     assert errors.classify(info.value) != errors.TRANSIENT
+
+
+def _mapped(path) -> bool:
+    return any(str(path) in line for line in open("/proc/self/maps"))
+
+
+def test_mapped_read_is_private_and_released(tmp_path, gloo_group):
+    """The verified bytes are the file's page-cache pages, mapped privately: writing into a loaded
+    tensor (Adam updating a moment in place) never reaches the file, and the mapping goes with the
+    last tensor that views it. The buffered fallback (kernels without MADV_POPULATE_READ) reads the
+    same bytes."""
+    path, entry = _write(tmp_path, Stager("test"))
+    on_disk = path.read_bytes()
+    data = local_file.read_verified(path, entry)
+    assert _mapped(path)
+    w = local_file.decode(data, path).to_state_dict(_template(), algo="atomic")["w"]
+    w.add_(1.0)
+    assert path.read_bytes() == on_disk
+    assert manifest.checksum_file(path) == entry["crc32c"]
+    del data, w
+    import gc
+
+    gc.collect()
+    assert not _mapped(path)
+    try:
+        manifest._populate_works = False
+        assert bytes(local_file.read_verified(path, entry).numpy()) == on_disk
+    finally:
+        manifest._populate_works = None
+
+
+def test_loaded_optimizer_state_is_copied_back_into_the_optimizers_own_tensors():
+    """torch's ``Optimizer.load_state_dict`` keeps loaded tensors of matching dtype and device as
+    they are: after a LOCAL load they would be views of the mapped file. ``own_optimizer_state``
+    copies them into the tensors the optimizer held before the load."""
+    from tierstack.checkpointing import state as ckpt_state
+
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.Adam(params, lr=0.1)
+    sum(p.sum() for p in params).backward()
+    opt.step()  # creates the state the load will land on
+    before = ckpt_state.optimizer_state_tensors(opt)
+    old_ptrs = {k: t.data_ptr() for k, t in before.items()}
+    saved = opt.state_dict()  # references to the live state tensors
+    expected = {(i, k): t + 1 for i, st in saved["state"].items() for k, t in st.items()}
+    nbytes = sum(t.numel() * t.element_size() for st in saved["state"].values() for t in st.values())
+    source = torch.empty(nbytes, dtype=torch.uint8)  # the "file": every loaded tensor is a view of it
+    offset, loaded = 0, {"state": {}, "param_groups": saved["param_groups"]}
+    for i, st in saved["state"].items():
+        loaded["state"][i] = {}
+        for k, t in st.items():
+            n = t.numel() * t.element_size()
+            view = source[offset:offset + n].view(t.dtype).reshape(t.shape)
+            view.copy_(expected[(i, k)])
+            loaded["state"][i][k] = view
+            offset += n
+    opt.load_state_dict(loaded)
+    inside = lambda t: source.data_ptr() <= t.data_ptr() < source.data_ptr() + nbytes  # noqa: E731
+    assert any(inside(t) for t in ckpt_state.optimizer_state_tensors(opt).values())  # torch kept the views
+    assert ckpt_state.own_optimizer_state(opt, before, source) == nbytes
+    after = ckpt_state.optimizer_state_tensors(opt)
+    assert not any(inside(t) for t in after.values())
+    assert {k: t.data_ptr() for k, t in after.items()} == old_ptrs  # back in the optimizer's own tensors
+    for (i, k), t in expected.items():
+        assert torch.equal(opt.state[params[i]][k], t), (i, k)
