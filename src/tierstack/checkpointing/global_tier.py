@@ -169,7 +169,7 @@ class GlobalTier(StagedTier):
         }
         captured = dict(objs.train_state.state_dict())
         if _dist.rank() == 0:  # nothing in flight now: what an interrupted save left is not ours to keep
-            self._retention_idle()  # the previous save's retention works in the same folder
+            self.wait_retention()  # the previous save's retention works in the same folder
             paths.remove_leftovers(self.save_root, run_id)
 
         def attempt(n: int):

@@ -342,11 +342,23 @@ class CheckpointManager:
         return int(self._tiers[tier].in_flight)
 
     # ------------------------------------------------------------------ end
+    def last_durable_s(self, tier: CheckpointTier) -> Optional[float]:
+        """Seconds from the start of ``tier``'s last finalized save to the agreement that it is
+        sealed (LOCAL) or published (GLOBAL) on every rank; None before the first."""
+        return self._tiers[tier].last_durable_s
+
+    def retention_pending(self, tier: CheckpointTier) -> bool:
+        """Whether ``tier``'s retention (deleting old checkpoints, in the background) still runs on this rank."""
+        return bool(self._tiers[tier].retention_pending)
+
     def wait(self) -> None:
-        """Collective: block until every in-flight save of every tier is sealed/published (or failed)."""
+        """Collective: block until every in-flight save of every tier is sealed/published (or failed)
+        and the retention those saves started has ended."""
         with self._bounded():
             for handler in self._tiers.values():
                 handler.finalize(blocking=True)
+        for handler in self._tiers.values():
+            handler.wait_retention()
         self._raise_if_failed()
 
     def close(self) -> None:

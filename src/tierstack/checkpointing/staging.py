@@ -176,7 +176,7 @@ class StagedTier:
         """Run retention ``fn`` (deleting old checkpoints) on this tier's retention thread, after the
         retention jobs before it. Deleting a checkpoint frees its pages and blocks: 0.3-0.6 s per
         GiB on the development machine, far more on a parallel file system; the training thread does
-        not wait for it. A failure is logged (retention never fails a save); :meth:`_retention_idle`
+        not wait for it. A failure is logged (retention never fails a save); :meth:`wait_retention`
         waits for them all."""
         def job() -> None:
             try:
@@ -188,7 +188,12 @@ class StagedTier:
             self._retention = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstack-{self._stager.name}-retention")
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [self._retention.submit(job)]
 
-    def _retention_idle(self) -> None:
+    @property
+    def retention_pending(self) -> bool:
+        """A retention job submitted on this rank has not ended yet (not collective)."""
+        return any(not f.done() for f in self._retention_jobs)
+
+    def wait_retention(self) -> None:
         """Wait until every retention job submitted so far has ended (before a save removes leftovers
         in the same folder, and at close)."""
         wait_futures(self._retention_jobs)
@@ -264,7 +269,7 @@ class StagedTier:
             self.finalize(blocking=True)
         finally:
             self._stager.close()
-            self._retention_idle()
+            self.wait_retention()
             if self._retention is not None:
                 self._retention.shutdown(wait=True)
                 self._retention = None

@@ -72,6 +72,7 @@ class CheckpointTierHandler(Protocol):
     persistent: ClassVar[bool]  # survives the loss of a node (the final save of a run prefers such a tier)
     per_rank_files: ClassVar[bool]  # each rank's own files (LOCAL): a failed check quarantines that rank's only
     failures: list[int]  # steps whose save failed on some rank, in order (the manager decides what follows)
+    last_durable_s: Optional[float]  # start of the last finalized save to its sealed/published agreement
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +152,15 @@ class CheckpointTierHandler(Protocol):
     @property
     def staging_bytes(self) -> int:
         """Bytes of host staging memory the tier keeps between saves on this rank (not collective)."""
+        ...
+
+    @property
+    def retention_pending(self) -> bool:
+        """Retention (deleting old checkpoints) still runs on this rank's retention thread (not collective)."""
+        ...
+
+    def wait_retention(self) -> None:
+        """Block until the retention jobs this rank started have ended (not collective)."""
         ...
 
     def saved_steps(self) -> list[int]:
