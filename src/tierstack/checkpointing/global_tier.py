@@ -168,8 +168,10 @@ class GlobalTier(StagedTier):
             **compat.manifest_fields(self.run_config),  # tokenizer and config, compared before a resume
         }
         captured = dict(objs.train_state.state_dict())
-        if _dist.rank() == 0:  # nothing in flight now: what an interrupted save left is not ours to keep
-            self.wait_retention()  # the previous save's retention works in the same folder
+        # Nothing in flight now: what an interrupted save left is not ours to keep. Not while the
+        # retention thread still deletes a directory here (its .deleting- name is a leftover too; a
+        # slow file system must not block training): a later save removes them.
+        if _dist.rank() == 0 and not self.retention_pending:
             paths.remove_leftovers(self.save_root, run_id)
 
         def attempt(n: int):

@@ -161,7 +161,7 @@ class LocalTier(StagedTier):
         c = self.cfg
         ckpt, man_path = self._paths(step)
         self.rank_dir.mkdir(parents=True, exist_ok=True)
-        self.wait_retention()  # the previous save's retention works in the same folder
+        # (the retention thread may still delete sealed or quarantined files here: never the same files)
         try:  # nothing of this tier is in flight: what an interrupted save left is not a checkpoint
             paths.remove_leftovers(self.rank_dir, run_id)
         except OSError as e:  # listing the folder failed: the write below reports what is wrong

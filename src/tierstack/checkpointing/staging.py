@@ -194,8 +194,8 @@ class StagedTier:
         return any(not f.done() for f in self._retention_jobs)
 
     def wait_retention(self) -> None:
-        """Wait until every retention job submitted so far has ended (before a save removes leftovers
-        in the same folder, and at close)."""
+        """Wait until every retention job submitted so far has ended (``CheckpointManager.wait``, close).
+        Called on the training thread only, like :meth:`_retain`."""
         wait_futures(self._retention_jobs)
         self._retention_jobs = []
 

@@ -266,16 +266,17 @@ def test_sigkill_of_one_rank_during_global_write(tmp_path):
     assert status == 0 and "leftover" in text, text
     # the next launch also keeps 2 checkpoints: retention of step 1 (on rank 0's retention thread)
     # renames it out of the candidates, then deleting it fails once (EIO) after step 3's publish,
-    # which stays published; step 4's save removes what is left of 1, its publish removes 2
+    # which stays published; a later save (4 or 5, once that thread is idle) removes what is left
+    # of 1; the publishes of 4 and 5 remove 2 and 3
     ret = [fault("retention-r0-EIO", "remove", f"{g}/iter_0000001.deleting-*", 0, "EIO")]
-    nxt = launch(tmp_path / "b", ret, "train.train_iters=4", f"checkpoint.save={g}", "checkpoint.save_interval=1",
+    nxt = launch(tmp_path / "b", ret, "train.train_iters=5", f"checkpoint.save={g}", "checkpoint.save_interval=1",
                  "checkpoint.most_recent_k=2")
     assert nxt["rc"] == 0, nxt["log"][-4000:]
     assert [(r["resume"]["tier"], r["resume"]["step"]) for r in nxt["records"]] == [("global", 2)] * 2
     assert not [p for p in g.iterdir() if ".staging-" in p.name]  # cleaned by the next save
     assert [f for f, _, _ in nxt["fired"]] == ["retention-r0-EIO"]
-    assert "retention: could not remove" in nxt["log"] and nxt["records"][0]["published"] == [3, 4]
-    assert published_global(g) == [3, 4]
+    assert "retention: could not remove" in nxt["log"] and nxt["records"][0]["published"] == [3, 4, 5]
+    assert published_global(g) == [4, 5]
     assert not [p.name for p in g.iterdir() if ".deleting-" in p.name or p.name == "iter_0000001"]
     record("global sync", "write", "kill-r1-write", 1, "SIGKILL", 1,
            f"all exited {seconds_to_exit(run, 'kill-r1-write'):.0f}s after the kill", 2, run["wall_s"])
