@@ -29,10 +29,19 @@ from tierstack.checkpointing.types import (
     TrainingObjects,
 )
 from tierstack.config import CheckpointConfig
+from tierstack.errors import BadInputError
 from tierstack.runtime import ParallelLayout
 from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointUnavailableError(BadInputError, CheckpointLoadError):
+    """No checkpoint can be resumed the way the run is configured (every candidate invalid or
+    missing on some rank, ``ckpt_step`` naming no valid checkpoint, ``exit_on_missing_checkpoint``
+    with nothing found). Decided from the collective resume selection, so every rank raises it
+    alike: the run stops with one message naming what to restore or which setting to change, and
+    exit status 2, before any work."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -125,10 +134,12 @@ class CheckpointManager:
                 without a ``run.json`` (:mod:`~tierstack.checkpointing.family`).
             CheckpointMismatchError: the chosen checkpoint's tokenizer or tensor-shaping model
                 fields differ from this run's (:mod:`~tierstack.checkpointing.compat`).
-            CheckpointLoadError: checkpoints exist but none is valid (unless
+            CheckpointUnavailableError: checkpoints exist but none is valid on every rank (unless
                 ``checkpoint.allow_fresh_start_on_invalid``), ``ckpt_step`` names no valid
-                checkpoint, ``exit_on_missing_checkpoint`` finds nothing, or the chosen checkpoint
-                cannot be loaded exactly at this topology.
+                checkpoint, or ``exit_on_missing_checkpoint`` finds nothing (a
+                :class:`~tierstack.errors.BadInputError`: one message, exit status 2).
+            CheckpointLoadError: an earlier run left files but no valid checkpoint, or the chosen
+                checkpoint cannot be loaded exactly at this topology.
         """
         with self._bounded():
             return self._resume(objs)
@@ -170,13 +181,14 @@ class CheckpointManager:
             kept = [f for f in run_family.evidence(list(self._tiers.values())) if ".invalid-" in f]
             found = "; ".join(chosen.quarantined + chosen.missing
                               + ([f"found quarantined {', '.join(kept[:8])}"] if kept else []))
-            raise CheckpointLoadError(
+            raise CheckpointUnavailableError(
                 f"checkpoints exist but none can be resumed on every rank ({found}; invalid ones quarantined as "
                 "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), enable "
                 "checkpoint.replication_factor for next time, or set checkpoint.allow_fresh_start_on_invalid=true"
             )
         if c.ckpt_step is not None:
-            raise CheckpointLoadError(f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in any tier")
+            raise CheckpointUnavailableError(
+                f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in any tier")
         found = [] if c.allow_fresh_start_on_invalid else run_family.evidence(list(self._tiers.values()))
         if found:  # an earlier run of the deciding directories, and nothing of it to resume from
             shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
@@ -186,7 +198,7 @@ class CheckpointManager:
                 "checkpoint.save/load/local_dir elsewhere, or set checkpoint.allow_fresh_start_on_invalid=true"
             )
         if c.exit_on_missing_checkpoint:
-            raise CheckpointLoadError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")
+            raise CheckpointUnavailableError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")
         run_id = _dist.broadcast_object(uuid.uuid4().hex[:12])
         objs.train_state.run_id = run_id
         # Claim the tier roots for this run now, so a crash before the first GLOBAL save still
@@ -353,11 +365,12 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Collective: block until every in-flight save of every tier is sealed/published (or failed)
-        and the retention those saves started has ended."""
+        and the retention those saves started has ended (at most ``checkpoint.async_write_timeout_s``
+        more; it goes on in the background after that)."""
         with self._bounded():
             for handler in self._tiers.values():
                 handler.finalize(blocking=True)
-        for handler in self._tiers.values():
+        for handler in self._tiers.values():  # after the collectives: a rank deleting longer stalls no other
             handler.wait_retention()
         self._raise_if_failed()
 
@@ -375,6 +388,8 @@ class CheckpointManager:
                     handler.close()
                 except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
                     errors.append(e)
+        for handler in self._tiers.values():  # after the collectives: a rank deleting longer stalls no other
+            handler.close_retention()
         if errors:
             raise errors[0]
         self._raise_if_failed()

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Callable, Optional, Sequence
 
@@ -169,23 +169,23 @@ class StagedTier:
         self._in_flight = None  # the save handed to the writer and not yet finalized (one at most)
         self.failures: list[int] = []  # steps whose save failed on some rank (the manager decides what follows)
         self.last_durable_s: Optional[float] = None  # start of the last finalized save to its agreement
-        self._retention: Optional[ThreadPoolExecutor] = None  # deletes old checkpoints off the training thread
+        self._retention: Optional[_WriterThread] = None  # deletes old checkpoints off the training thread
         self._retention_jobs: list[Future] = []
 
     def _retain(self, fn: Callable[[], object], what: str) -> None:
         """Run retention ``fn`` (deleting old checkpoints) on this tier's retention thread, after the
         retention jobs before it. Deleting a checkpoint frees its pages and blocks: 0.3-0.6 s per
         GiB on the development machine, far more on a parallel file system; the training thread does
-        not wait for it. A failure is logged (retention never fails a save); :meth:`wait_retention`
-        waits for them all."""
+        not wait for it, and no save waits for it either. A failure is logged (retention never fails
+        a save). Called on the training thread only, like :meth:`wait_retention`."""
         def job() -> None:
             try:
                 fn()
             except Exception as e:  # noqa: BLE001 - logged; the next save's retention tries again
                 log.warning("%s retention %s failed: %s", self._stager.name, what, e)
 
-        if self._retention is None:
-            self._retention = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierstack-{self._stager.name}-retention")
+        if self._retention is None:  # a daemon thread: a hung deletion never keeps the process alive
+            self._retention = _WriterThread(f"tierstack-{self._stager.name}-retention")
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [self._retention.submit(job)]
 
     @property
@@ -193,11 +193,30 @@ class StagedTier:
         """A retention job submitted on this rank has not ended yet (not collective)."""
         return any(not f.done() for f in self._retention_jobs)
 
-    def wait_retention(self) -> None:
-        """Wait until every retention job submitted so far has ended (``CheckpointManager.wait``, close).
-        Called on the training thread only, like :meth:`_retain`."""
-        wait_futures(self._retention_jobs)
+    def wait_retention(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait until every retention job submitted so far has ended, at most ``timeout_s`` seconds
+        (None: ``checkpoint.async_write_timeout_s``). Not collective: call it after the last
+        checkpoint collective, never between two (``CheckpointManager.wait``/``close`` do).
+
+        Returns:
+            True when none is left; False after the timeout (logged: the deletion goes on in the
+            background, and a directory it leaves is a leftover that a later save removes).
+        """
+        _, pending = wait_futures(self._retention_jobs, timeout=self._write_timeout_s if timeout_s is None else timeout_s)
+        if pending:
+            log.warning("%s retention: still deleting old checkpoints after %.0f s (a slow or hung file system?); "
+                        "left to finish in the background", self._stager.name,
+                        self._write_timeout_s if timeout_s is None else timeout_s)
+            return False
         self._retention_jobs = []
+        return True
+
+    def close_retention(self) -> None:
+        """Wait for retention (bounded as :meth:`wait_retention`), then stop its thread. Not collective."""
+        done = self.wait_retention()
+        if self._retention is not None:
+            self._retention.shutdown(wait=done)
+            self._retention = None
 
     @property
     def in_flight(self) -> int:
@@ -264,12 +283,9 @@ class StagedTier:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Collective: finalize the save in flight (blocking), then stop the writer and free the buffers."""
+        """Collective: finalize the save in flight (blocking), then stop the writer and free the
+        buffers. Retention is not waited for here (:meth:`close_retention`, after every collective)."""
         try:
             self.finalize(blocking=True)
         finally:
             self._stager.close()
-            self.wait_retention()
-            if self._retention is not None:
-                self._retention.shutdown(wait=True)
-                self._retention = None

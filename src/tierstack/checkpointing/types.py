@@ -159,8 +159,13 @@ class CheckpointTierHandler(Protocol):
         """Retention (deleting old checkpoints) still runs on this rank's retention thread (not collective)."""
         ...
 
-    def wait_retention(self) -> None:
-        """Block until the retention jobs this rank started have ended (not collective)."""
+    def wait_retention(self, timeout_s: Optional[float] = None) -> bool:
+        """Block until the retention jobs this rank started have ended, at most ``timeout_s``
+        seconds; False when some still run (not collective)."""
+        ...
+
+    def close_retention(self) -> None:
+        """Wait for retention (bounded), then stop the retention thread (not collective)."""
         ...
 
     def saved_steps(self) -> list[int]:

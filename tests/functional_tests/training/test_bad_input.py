@@ -83,3 +83,17 @@ def test_jsonl_line_without_text_names_its_line(tmp_path):
     assert proc.returncode == 2
     assert f"{data}:2" in proc.stderr and "text" in proc.stderr
     assert not list(tmp_path.glob("out*"))
+
+
+def test_no_checkpoint_to_resume_is_one_message_with_status_2(tmp_path):
+    """A refusal decided by resume selection (here ``exit_on_missing_checkpoint`` with nothing saved;
+    also every candidate invalid or missing on some rank, or ``ckpt_step`` naming none) is bad input
+    like any other: one message naming the setting, exit status 2, no traceback."""
+    proc = _run_recipe("distributed.tensor_model_parallel_size=1", "dataset.mock=true", "mlflow=null",
+                       "straggler=null", "train.train_iters=1", f"logger.run_dir={tmp_path}/run",
+                       f"checkpoint.save={tmp_path}/global", f"checkpoint.local_dir={tmp_path}/local",
+                       "checkpoint.exit_on_missing_checkpoint=true", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "global").glob("iter_*"))  # no work done

@@ -87,6 +87,15 @@ class FakeTier:
         if self.close_error is not None:
             raise self.close_error
 
+    retention_pending, last_durable_s = False, None
+
+    def wait_retention(self, timeout_s=None):
+        self.journal.append(("wait_retention", self.tier.value))
+        return True
+
+    def close_retention(self):
+        self.journal.append(("close_retention", self.tier.value))
+
 
 def make(journal, *, local=None, global_=None, **cfg):
     local = FakeTier(CheckpointTier.LOCAL, journal, **(local or {}))
@@ -268,3 +277,15 @@ def test_a_save_blocked_or_failed_at_a_best_candidate_leaves_the_records_unchang
     manager.maybe_save(objs)
     assert saves(journal) == [("global", 6)] and global_.captured == [(6, [[6, 1.0], [2, 3.0]])]
     assert objs.train_state.best_checkpoints == [[2, 3.0]]  # the save failed: records unchanged
+
+
+def test_close_waits_for_retention_only_after_every_tiers_collective_close():
+    """A rank still deleting an old checkpoint (slow file system) must not make the others time out in
+    a checkpoint collective: retention is waited for after every tier's (collective) close."""
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 1}, global_={"interval": 1})
+    run_steps(manager, objs, 1)
+    manager.close()
+    ends = [e for e in journal if e[0] in ("close", "close_retention")]
+    assert ends == [("close", "local"), ("close", "global"), ("close_retention", "local"),
+                    ("close_retention", "global")]

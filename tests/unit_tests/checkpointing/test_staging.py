@@ -257,3 +257,25 @@ def test_loaded_optimizer_state_is_copied_back_into_the_optimizers_own_tensors()
     assert {k: t.data_ptr() for k, t in after.items()} == old_ptrs  # back in the optimizer's own tensors
     for (i, k), t in expected.items():
         assert torch.equal(opt.state[params[i]][k], t), (i, k)
+
+
+def test_retention_runs_off_the_training_thread_and_its_wait_is_bounded(caplog):
+    """Retention (deleting old checkpoints) runs on the tier's retention thread, in order; waiting
+    for it is bounded, and a deletion still running after the bound is left to the background."""
+    from tierstack.checkpointing.staging import StagedTier
+
+    tier = StagedTier("TEST", write_timeout_s=5.0)
+    release, ran = threading.Event(), []
+    tier._retain(lambda: (release.wait(10), ran.append((1, threading.current_thread().name))), "slow")
+    tier._retain(lambda: ran.append((2, threading.current_thread().name)), "next")
+    assert tier.retention_pending
+    with caplog.at_level("WARNING"):
+        assert tier.wait_retention(timeout_s=0.2) is False
+    assert "still deleting old checkpoints" in caplog.text and ran == []
+    release.set()
+    assert tier.wait_retention() is True and not tier.retention_pending
+    assert [n for n, _ in ran] == [1, 2] and all(t == "tierstack-TEST-retention" for _, t in ran)
+    tier._retain(lambda: (_ for _ in ()).throw(OSError(5, "Input/output error")), "failing")
+    with caplog.at_level("WARNING"):
+        tier.close_retention()
+    assert "TEST retention failing failed" in caplog.text
