@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -116,12 +115,6 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_device_ordinal(local_rank: int, device_count: int) -> None:
     """Fail clearly when this rank has no CUDA device of its own.
 
@@ -163,8 +156,8 @@ def initialize_distributed(
 ) -> ParallelLayout:
     """Initialise torch.distributed from the torchrun environment and megatron's parallel groups.
 
-    A plain ``python`` launch (no ``RANK``/``WORLD_SIZE``) becomes a 1-rank group on a free local
-    port. On a machine without CUDA the CPU compatibility layer is activated first.
+    A plain ``python`` launch (no ``WORLD_SIZE``/``MASTER_PORT``) becomes a 1-rank group on an
+    in-process store (no port). On a machine without CUDA the CPU compatibility layer is activated first.
 
     Args:
         tensor_model_parallel_size / pipeline_model_parallel_size: megatron TP and PP sizes;
@@ -182,9 +175,10 @@ def initialize_distributed(
 
     if not has_gpu():
         cpu_compat.activate()
+    # A plain 1-rank launch needs no TCP store: an in-process one leaves no port to race for (a
+    # free port picked here could be taken before the store binds it: EADDRINUSE in CI).
+    single = "WORLD_SIZE" not in os.environ and "MASTER_PORT" not in os.environ
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -204,6 +198,7 @@ def initialize_distributed(
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            **({"store": dist.HashStore()} if single else {}),
             **process_group_device(backend, local_rank),
         )
     from tierstack.runtime import collectives
