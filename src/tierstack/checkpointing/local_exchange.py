@@ -84,26 +84,24 @@ def fill_missing(tasd: Any, group: Optional[torch.distributed.ProcessGroup] = No
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
-    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 def _broadcast_batch(keys: list, nbytes: int, src: int, source: dict, held: dict, needed: dict, me: int,
                      group) -> int:
     """One broadcast from group rank ``src`` of the tensors ``keys``, packed as bytes in that order;
     the receivers that need one of them get a view of the received buffer. Returns bytes received."""
+    from tierstack import runtime
+
     dist = torch.distributed
-    # NCCL moves device memory only (megatron's own exchange moves CPU tensors to the GPU the same way)
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend(group) else None
     if me == src:
         buf = torch.cat([held[k].data.reshape(-1).view(torch.uint8).cpu() for k in keys])
     else:
         buf = torch.empty(nbytes, dtype=torch.uint8)
-    if device is not None:
-        wire = buf.to(device)
-        dist.broadcast(wire, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
-        buf = wire.cpu()
-    else:
-        dist.broadcast(buf, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    # NCCL moves device memory only (megatron's own exchange moves CPU tensors to the GPU the same way)
+    wire = buf.to(runtime.device()) if "nccl" in dist.get_backend(group) else buf
+    dist.broadcast(wire, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    buf = wire.cpu()
     got, offset = 0, 0
     for k in keys:
         _, dtype, shape = source[k]

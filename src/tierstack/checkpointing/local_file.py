@@ -15,8 +15,8 @@ Why not ``torch.save`` of the whole state (what NVRx's LocalCheckpointManager wr
 bytes go to the file straight from the staging buffers with ``os.write`` (no pickling of tensors,
 GIL released), the checksum is computed over the same chunks as they are written, and a load maps
 the file once (its page-cache pages, no copy) and verifies its checksum before any tensor is built
-from it; the tensors are then views of that mapping (private: writes never reach the file). Files of format 1 (a ``torch.save`` zip,
-starting with ``PK``) are still read.
+from it; the tensors are then views of that mapping (private: writes never reach the file). Files
+of format 1 (a ``torch.save`` zip, starting with ``PK``) are still read.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from tierstack.checkpointing.state import torch_optimizers
 from tierstack.config.sections import ON_NONFINITE
 from tierstack.runtime import collectives as _dist
 
@@ -59,25 +60,9 @@ def _sums_finite(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def _inner(optimizer: Any) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside megatron's wrappers (or ``optimizer`` itself when it is one):
-    their param groups hold the fp32 main parameters (a DistributedOptimizer's: this rank's
-    shard) and their state the moments."""
-    out = []
-    for opt in _inner(optimizer):
-        inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            out.append(inner)
-    return out
-
-
 def grads_finite(optimizer: Any) -> bool:
     """This rank's gradients as the optimizer applied them (its main params' ``.grad``) are finite."""
-    grads = [p.grad for o in _torch_optimizers(optimizer) for g in o.param_groups for p in g["params"]
+    grads = [p.grad for o in torch_optimizers(optimizer) for g in o.param_groups for p in g["params"]
              if p.grad is not None and p.grad.numel()]
     return _sums_finite(grads)
 
@@ -87,7 +72,7 @@ def state_finite(optimizer: Any, *, moments: bool = True) -> bool:
     every tensor of the optimizer state with more than one element (Adam's ``exp_avg``,
     ``exp_avg_sq``; step counters are skipped). One pass per tensor, see :func:`_sums_finite`."""
     tensors: list[torch.Tensor] = []
-    for o in _torch_optimizers(optimizer):
+    for o in torch_optimizers(optimizer):
         for g in o.param_groups:
             for p in g["params"]:
                 if p.numel():

@@ -202,11 +202,11 @@ class StagedTier:
             True when none is left; False after the timeout (logged: the deletion goes on in the
             background, and a directory it leaves is a leftover that a later save removes).
         """
-        _, pending = wait_futures(self._retention_jobs, timeout=self._write_timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self._write_timeout_s if timeout_s is None else timeout_s
+        _, pending = wait_futures(self._retention_jobs, timeout=timeout_s)
         if pending:
             log.warning("%s retention: still deleting old checkpoints after %.0f s (a slow or hung file system?); "
-                        "left to finish in the background", self._stager.name,
-                        self._write_timeout_s if timeout_s is None else timeout_s)
+                        "left to finish in the background", self._stager.name, timeout_s)
             return False
         self._retention_jobs = []
         return True

@@ -39,6 +39,18 @@ def inner_optimizers(optimizer: Any) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's wrappers (or ``optimizer`` itself when it is one):
+    their param groups hold the fp32 main parameters (a DistributedOptimizer's: this rank's
+    shard) and their state the moments."""
+    out = []
+    for opt in inner_optimizers(optimizer):
+        inner = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            out.append(inner)
+    return out
+
+
 def uses_distributed_optimizer(optimizer: Any) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -55,11 +67,10 @@ def prepare_optimizer_for_load(optimizer: Any) -> None:
 
 def optimizer_state_tensors(optimizer: Any) -> dict[tuple[int, int, str], torch.Tensor]:
     """Every tensor of the inner torch optimizers' per-parameter state (Adam moments, ...), keyed by
-    (inner optimizer index, ``id`` of the parameter, state key)."""
+    (index in :func:`torch_optimizers`, ``id`` of the parameter, state key)."""
     out = {}
-    for i, opt in enumerate(inner_optimizers(optimizer)):
-        torch_opt = getattr(opt, "optimizer", opt)
-        for p, st in getattr(torch_opt, "state", {}).items():
+    for i, torch_opt in enumerate(torch_optimizers(optimizer)):
+        for p, st in torch_opt.state.items():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     out[(i, id(p), k)] = v
@@ -87,8 +98,8 @@ def own_optimizer_state(optimizer: Any, before: dict[tuple[int, int, str], torch
     """
     lo, hi = source.data_ptr(), source.data_ptr() + source.numel()
     copied = 0
-    for i, opt in enumerate(inner_optimizers(optimizer)):
-        for p, st in getattr(getattr(opt, "optimizer", opt), "state", {}).items():
+    for i, torch_opt in enumerate(torch_optimizers(optimizer)):
+        for p, st in torch_opt.state.items():
             for k, t in list(st.items()):
                 if not isinstance(t, torch.Tensor) or not lo <= t.data_ptr() < hi:
                     continue
