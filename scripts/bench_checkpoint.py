@@ -6,7 +6,8 @@ Everything is measured in one run, on the same model + optimizer state, on every
 1. Limits: ``copy_`` of the state size into a preallocated buffer (what a snapshot costs at least),
    durable write (write + fsync) into the save directory, cold read (page cache evicted with
    ``posix_fadvise(DONTNEED)``), and the bytes of model + optimizer state per rank. Beside them the
-   non-finite guard's check per checkpoint boundary, as a ratio to the copy.
+   non-finite guard's checks per checkpoint boundary (on the loop; on the writer thread), as ratios
+   to the copy.
 2. Ours (``CheckpointManager``): blocking time of a GLOBAL sync save, a GLOBAL async save, a LOCAL
    save (on the save directory's disk and on a tmpfs, ``/dev/shm``); the time to durable (written,
    fsync'd, sealed on every rank; GLOBAL: published); for each background save, the extra time of the
@@ -269,22 +270,26 @@ def measure_limits(b: Bench, reps: int) -> dict[str, list[float]]:
 
 # ------------------------------------------------------------------------------------------------ guard
 def measure_guard(b: Bench, reps: int) -> dict[str, list[float]]:
-    """The non-finite guard's cost per checkpoint boundary (:meth:`NonFiniteGuard.check`: the fp32
-    main parameters and Adam moments of this rank, one all-reduce), beside the check it replaced
-    (per-tensor max and min of every parameter and gradient, one all-reduce)."""
-    from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard
+    """The non-finite guard's cost per checkpoint boundary: on the training loop
+    (:meth:`NonFiniteGuard.check`, the interval's per-step flags, one all-reduce) and on a tier's
+    writer thread (:func:`check_staged`, a pass over every floating-point tensor of the state that
+    is written, off the loop); beside them the check that once ran on the loop (per-tensor max and
+    min of every parameter and gradient, one all-reduce)."""
+    from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard, check_staged
     from tierstack.runtime import collectives
 
     guard = NonFiniteGuard("skip")
+    state = list(b.flat.values())
 
     def previous_preflight() -> bool:
         ext = [x for c in b.objs.model for p in c.parameters() for t in (p, getattr(p, "main_grad", p.grad))
                if t is not None and t.numel() for x in (t.detach().amax().float(), t.detach().amin().float())]
         return collectives.all_true(bool(torch.isfinite(torch.stack(ext)).all()))
 
-    out: dict[str, list[float]] = {"guard": [], "preflight": []}
+    out: dict[str, list[float]] = {"guard": [], "staged": [], "preflight": []}
     for i in range(reps):
-        out["guard"].append(timed(lambda: guard.check(-1 - i, b.objs.optimizer))[0])  # a new step: no cached verdict
+        out["guard"].append(timed(lambda: guard.check(-1 - i))[0])  # a new step: no cached verdict
+        out["staged"].append(timed(lambda: check_staged(state, "bench"))[0])
         out["preflight"].append(timed(previous_preflight)[0])
     return out
 
@@ -484,7 +489,8 @@ def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss, guard) -
         ("(clone into fresh memory)", lim["clone"], memcpy, None, ""),
         ("limit: write + fsync", lim["write"], None, None, ""),
         ("limit: cold read", lim["read_cold"], None, None, ""),
-        ("non-finite guard per boundary", guard["guard"], memcpy, None, ""),
+        ("non-finite guard: on the loop", guard["guard"], memcpy, None, ""),
+        ("(guard: staged check, writer)", guard["staged"], memcpy, None, ""),
         ("(previous preflight, max+min)", guard["preflight"], memcpy, None, ""),
         ("GLOBAL sync: blocking (=durable)", gs["blocking"], write, pd, best_dur),
         ("GLOBAL async: blocking", ga["blocking"], memcpy, pb, best_block),
@@ -504,10 +510,12 @@ def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss, guard) -
         rows.append((f"peer {name}: durable", res["durable"], write, None, ""))
     for name, xs, limit, peer, pname in rows:
         print(fmt_row(name, xs, total, limit, peer, pname))
-    print("\nnon-finite guard: its check at one checkpoint boundary (fp32 main parameters and Adam moments of "
-          "each rank, one all-reduce), /limit = its ratio to the copy_ of the state; the previous preflight "
-          "(max+min of every parameter and gradient) beside it. Per step the guard reads only the loss and "
-          "megatron's gradient norm.")
+    print("\nnon-finite guard at one checkpoint boundary: on the loop, the interval's per-step flags (one "
+          "all-reduce; per step the guard reads only the loss and megatron's gradient norm); on each tier's "
+          "writer thread, before anything is written, a pass over every floating-point tensor of the staged "
+          "state (off the loop; in the saves' blocking times above only through the CPU it shares); "
+          "/limit = the ratio to the copy_ of the state; the previous preflight (max+min of every parameter "
+          "and gradient) beside them.")
     print("limit column: copy_ for blocking times, warm resumes and tmpfs, write+fsync for durable times, cold "
           "read for cold resumes; peer column: the fastest peer on the same figure. tmpfs: "
           f"{b.tmpfs}. Durable: written, fsync'd and sealed on every rank (GLOBAL: published).")

@@ -16,7 +16,7 @@ FIGURES = (
     "GLOBAL sync: blocking (=durable)", "GLOBAL async: blocking", "GLOBAL async: to durable",
     "LOCAL: blocking", "LOCAL: to durable", "LOCAL on tmpfs: blocking", "LOCAL on tmpfs: to durable",
     "resume GLOBAL: warm", "resume GLOBAL: cold", "resume LOCAL: warm", "resume LOCAL: cold",
-    "resume LOCAL on tmpfs", "peer dcp.save: durable", "non-finite guard per boundary",
+    "resume LOCAL on tmpfs", "peer dcp.save: durable", "non-finite guard: on the loop", "(guard: staged check, writer)",
 )
 
 

@@ -194,8 +194,8 @@ class GlobalTier(StagedTier):
             log.error("GLOBAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", step, e)
             self.failures.append(step)
             return None
-        job = self._stager.submit(global_writer.write_request, request, staging,
-                                  attempts=c.save_retries, backoff_s=c.retry_backoff_s)
+        job = self._submit_checked(f"GLOBAL checkpoint of step {step}", global_writer.write_request, request,
+                                   staging, attempts=c.save_retries, backoff_s=c.retry_backoff_s)
         self._in_flight = _InFlight(step, staging, captured, run_id, extra, request, job, t0)
         self._in_flight.blocked_s = time.perf_counter() - t0
         if not c.async_save:
@@ -283,7 +283,8 @@ class GlobalTier(StagedTier):
     def finalize(self, blocking: bool) -> None:
         """Collective: publish the save in flight once its writer ended on every rank (or wait for
         it when ``blocking``). A failure on any rank fails it on every rank: the staging directory
-        is removed and the step recorded in ``failures``.
+        is removed and the step recorded in ``failures`` (in ``nonfinite`` with the ranks, when a
+        writer found NaN/inf in the staged state).
 
         The writer thread already retried its transient errors, so a writer failure is final. What
         runs here on the training thread (megatron's finalize with rank 0's ``.metadata`` and
@@ -295,18 +296,21 @@ class GlobalTier(StagedTier):
             return
         t0 = time.perf_counter()
         error = self._job_error(job)
-        if error is not None:
-            log.error("GLOBAL write of step %d failed on rank %d: %s", job.step, _dist.rank(), errors.describe(error))
+        self._log_writer_error(job.step, error)
         try:
             retry.agree(error)  # every rank learns every rank's cause (rank, path, errno)
             self._finalize_attempts(job)
         except retry.SaveAttemptFailed as e:
             if error is None:
                 global_writer.discard_results(job.request)
-            log.error("GLOBAL checkpoint of step %d NOT published (%s); the previous one stays the newest",
-                      job.step, e)
+            nonfinite = self._nonfinite_ranks(error)
             if _dist.rank() == 0:
                 shutil.rmtree(job.staging, ignore_errors=True)
+            if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
+                self.nonfinite.append((job.step, nonfinite))
+                return
+            log.error("GLOBAL checkpoint of step %d NOT published (%s); the previous one stays the newest",
+                      job.step, e)
             self.failures.append(job.step)
             return
         self.last_durable_s = time.perf_counter() - job.started

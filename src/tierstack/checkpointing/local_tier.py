@@ -138,7 +138,8 @@ class LocalTier(StagedTier):
                  "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
                  **model_settings.model_settings(objs.model),
                  **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
-        job = self._stager.submit(self._write_and_seal, step, run_id, captured, staged["header"], staged["buffers"], extra)
+        job = self._submit_checked(f"LOCAL checkpoint of step {step}", self._write_and_seal, step, run_id,
+                                   captured, staged["header"], staged["buffers"], extra)
         blocked = time.perf_counter() - t0
         self._in_flight = _InFlight(step, run_id, t0, blocked, job)
         if self.layout.rank == 0:
@@ -224,24 +225,27 @@ class LocalTier(StagedTier):
         """Collective: when the in-flight save has ended on every rank (or ``blocking``), agree on it.
 
         Sealed everywhere: the step counts as saved and retention runs. Failed anywhere: every rank
-        removes its files of that step and the step is recorded in ``failures``.
+        removes its files of that step and the step is recorded in ``failures`` (in ``nonfinite``
+        with the ranks, when a writer found NaN/inf in the staged state: nothing of it was written).
         """
         job: Optional[_InFlight] = self._take_ended(blocking)
         if job is None:
             return
         error = self._job_error(job)
-        if error is not None:
-            log.error("LOCAL write of step %d failed on rank %d: %s", job.step, self.layout.rank, errors.describe(error))
-        reason = None
+        self._log_writer_error(job.step, error)
+        reason, nonfinite = None, []
         try:
             retry.agree(error)  # the writer already retried transient errors; every rank learns each cause
         except retry.SaveAttemptFailed as e:
-            reason = str(e)
+            reason, nonfinite = str(e), self._nonfinite_ranks(error)
         if reason is None and self._replicator is not None and not local_replicas.replicate_step(
                 self._replicator, self._replicas, job.step, job.run_id, self.cfg.most_recent_k):
             reason = "replication to the other nodes failed on some rank"
         if reason is not None:
             self._discard_step(job.step, job.run_id)
+            if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
+                self.nonfinite.append((job.step, nonfinite))
+                return
             log.error("LOCAL checkpoint of step %d NOT saved (%s); the previous one stays the newest", job.step, reason)
             self.failures.append(job.step)
             return

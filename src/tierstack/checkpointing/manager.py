@@ -98,7 +98,7 @@ class CheckpointManager:
             tiers = build_tiers(cfg, parallel_layout, run_config=run_config or {}, on_publish=self._notify)
         self._tiers = {t.tier: t for t in tiers}  # insertion order: fastest first
         self._last_saved: dict[CheckpointTier, Optional[int]] = {t: None for t in self._tiers}
-        self.guard = NonFiniteGuard(cfg.on_nonfinite, check_moments=cfg.save_optim)
+        self.guard = NonFiniteGuard(cfg.on_nonfinite)
         self.best = BestRecords(cfg.keep_best_k, cfg.best_metric, cfg.save_on_best)
         self._train_state = None  # the live TrainState: takes the best records of each published save
         self.blocked_steps: list[int] = []  # boundaries the non-finite guard blocked (every tier)
@@ -272,7 +272,8 @@ class CheckpointManager:
         First the non-finite guard (once per step, whatever the number of tiers; one all-reduce,
         before any staging): a blocked boundary saves nothing in any tier and either raises
         :class:`~tierstack.checkpointing.nonfinite_guard.NonFiniteError` (``on_nonfinite=stop``)
-        or is skipped. A persistent tier's save carries the top-K best records with this step's
+        or is skipped. The state itself is checked on each tier's writer thread before it is
+        written; a non-finite one blocks that save when it ends (:meth:`_raise_if_failed`). A persistent tier's save carries the top-K best records with this step's
         candidate committed (:meth:`_save_with_records`).
 
         Returns the seconds the loop was blocked (the guard included), or None when nothing was saved."""
@@ -286,7 +287,7 @@ class CheckpointManager:
             return None
         t0 = time.perf_counter()
         self._train_state = objs.train_state
-        if not self.guard.check(step, objs.optimizer).ok:
+        if not self.guard.check(step).ok:
             if not self.blocked_steps or self.blocked_steps[-1] != step:
                 self.blocked_steps.append(step)
             if handler.persistent:
@@ -332,6 +333,14 @@ class CheckpointManager:
             self.save(tier, objs)
 
     def _raise_if_failed(self) -> None:
+        """After saves ended (every rank, same lists): apply ``on_nonfinite`` to the saves whose staged
+        state held NaN/inf (``NonFiniteError`` with ``stop``), then ``exit_on_save_failure``."""
+        for handler in self._tiers.values():
+            blocked, handler.nonfinite = list(handler.nonfinite), []
+            for step, ranks in blocked:
+                if step not in self.blocked_steps:
+                    self.blocked_steps.append(step)
+                self.guard.state_blocked(handler.tier.value.upper(), step, ranks)
         failed = {t.value: list(h.failures) for t, h in self._tiers.items() if h.failures}
         if failed and self.cfg.exit_on_save_failure:
             raise CheckpointSaveError(f"checkpoint save failed {failed}; checkpoint.exit_on_save_failure=true")

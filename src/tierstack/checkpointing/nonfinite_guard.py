@@ -10,13 +10,25 @@ gradient norm (free: the optimizer computes it) is non-finite or not reported, s
 costs nothing; the read then says which ranks held them.
 
 Per boundary (:meth:`NonFiniteGuard.check`, collective, once per step whatever the number of
-tiers, before any checkpoint state changes): this rank also checks what a checkpoint writes, the
-fp32 main parameters and the optimizer moments (:func:`state_finite`), and all ranks agree with one
-all-reduce of a ``[world_size, 4]`` table (first bad step, last bad step, bad steps, state bad),
-so every rank knows every rank's findings, including ranks whose own check found nothing. The
+tiers, before anything of the checkpoint is staged): all ranks agree on the interval's flags with
+one all-reduce of a ``[world_size, 3]`` table (first bad step, last bad step, bad steps), so
+every rank knows every rank's findings, including ranks whose own check found nothing. The
 interval's flags are then spent: a boundary that passed starts a clean interval; a blocked one
-stops the run (``on_nonfinite=stop``) or is skipped, and the next interval is judged on its own
-steps and on the state it writes (``skip``: a state that stays non-finite keeps blocking).
+stops the run (``on_nonfinite=stop``) or is skipped.
+
+What a checkpoint writes (fp32 main parameters, optimizer moments, model weights: every
+floating-point tensor of its state) is checked where it costs the training loop nothing: on the
+tier's writer thread, in the staging buffers the save copied it into, before any byte of it is
+written (:func:`check_staged`, :class:`NonFiniteStateError`). That is exactly the bytes the file
+would hold, and the ranks agree on it in the save's own finalize agreement, before anything is
+sealed or published; :meth:`NonFiniteGuard.state_blocked` then applies ``on_nonfinite``. A
+tensor replicated over data-parallel ranks is checked where it is staged: GLOBAL stages every
+replica, LOCAL (megatron's fully-parallel distribution) only the one rank that writes it, so a
+NaN in a replica that no file holds does not block a LOCAL save; it reaches the next step's loss,
+which the per-step flags catch. (Checked
+on the training thread, this pass over the whole state cost 0.125 s of a 0.33 s LOCAL save at
+1.13 GiB per rank: ``scripts/bench_checkpoint.py --scale 1gib``.) A state that stays non-finite
+keeps blocking every later save with ``skip``.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -39,8 +51,17 @@ class NonFiniteError(RuntimeError):
     """``checkpoint.on_nonfinite=stop`` and a boundary found non-finite values on some rank."""
 
 
-def _sums_finite(tensors: list[torch.Tensor]) -> bool:
+class NonFiniteStateError(RuntimeError):
+    """Raised on a writer thread: the state staged for a save holds NaN or inf on this rank; nothing
+    of it was written. Not an I/O error: never retried (:func:`~tierstack.checkpointing.errors.classify`
+    finds no errno: permanent)."""
+
+
+def tensors_finite(tensors: list[torch.Tensor]) -> bool:
     """True when every tensor is finite: one pass per tensor (its fp32 sum), one check at the end.
+
+    Args:
+        tensors: any shapes; floating-point dtypes (the sum of an integer tensor is always finite).
 
     A sum propagates NaN and inf and is as fast as ``amax`` on CPU (one vectorised pass, no
     tensor-sized temporary; ``linalg.vector_norm(ord=inf)`` was ~50x slower there). A finite
@@ -64,23 +85,23 @@ def grads_finite(optimizer: Any) -> bool:
     """This rank's gradients as the optimizer applied them (its main params' ``.grad``) are finite."""
     grads = [p.grad for o in torch_optimizers(optimizer) for g in o.param_groups for p in g["params"]
              if p.grad is not None and p.grad.numel()]
-    return _sums_finite(grads)
+    return tensors_finite(grads)
 
 
-def state_finite(optimizer: Any, *, moments: bool = True) -> bool:
-    """This rank's part of what a checkpoint writes is finite: fp32 main parameters and (``moments``)
-    every tensor of the optimizer state with more than one element (Adam's ``exp_avg``,
-    ``exp_avg_sq``; step counters are skipped). One pass per tensor, see :func:`_sums_finite`."""
-    tensors: list[torch.Tensor] = []
-    for o in torch_optimizers(optimizer):
-        for g in o.param_groups:
-            for p in g["params"]:
-                if p.numel():
-                    tensors.append(p)
-                if moments:
-                    tensors += [v for v in o.state.get(p, {}).values()
-                                if isinstance(v, torch.Tensor) and v.numel() > 1]
-    return _sums_finite(tensors)
+def check_staged(buffers: Sequence[torch.Tensor], what: str) -> None:
+    """Writer thread, before a save writes anything: every floating-point staging buffer is finite.
+
+    Args:
+        buffers: the host staging buffers of one save (any shapes and dtypes; integer and bool
+            buffers, such as step counters and RNG states, cannot hold NaN and are skipped).
+        what: names the save in the error, e.g. ``"LOCAL checkpoint of step 20"``.
+
+    Raises:
+        NonFiniteStateError: some buffer holds NaN or inf (names the rank).
+    """
+    if not tensors_finite([b for b in buffers if b.is_floating_point() and b.numel()]):
+        raise NonFiniteStateError(f"{what}: non-finite parameters or optimizer moments on rank {_dist.rank()} "
+                                  "(found in the staged state; nothing of it was written)")
 
 
 @dataclass
@@ -103,14 +124,12 @@ class NonFiniteGuard:
 
     Args:
         on_nonfinite: ``stop`` (raise :class:`NonFiniteError` at a blocked boundary) or ``skip``.
-        check_moments: include the optimizer moments in the boundary check (``checkpoint.save_optim``).
     """
 
-    def __init__(self, on_nonfinite: str = "stop", *, check_moments: bool = True):
+    def __init__(self, on_nonfinite: str = "stop"):
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"checkpoint.on_nonfinite={on_nonfinite!r}: use one of {ON_NONFINITE}")
         self.on_nonfinite = on_nonfinite
-        self.check_moments = check_moments
         self.bad_steps: list[int] = []  # this rank's bad steps since the last boundary
         self._verdict: Optional[Verdict] = None
 
@@ -132,16 +151,16 @@ class NonFiniteGuard:
         if bad:
             self.bad_steps.append(step)
 
-    def check(self, step: int, optimizer: Any) -> Verdict:
-        """Collective, at a checkpoint boundary, before anything of the checkpoint is made.
+    def check(self, step: int) -> Verdict:
+        """Collective, at a checkpoint boundary, before anything of the checkpoint is staged.
 
         Once per step: every tier saving at ``step`` gets the same verdict. Spends the interval's
-        flags. Raises :class:`NonFiniteError` when blocked and ``on_nonfinite`` is ``stop``.
+        flags. The state itself is checked later, on the writer threads (:func:`check_staged`).
+        Raises :class:`NonFiniteError` when blocked and ``on_nonfinite`` is ``stop``.
         """
         if self._verdict is not None and self._verdict.step == step:
             return self._verdict
-        state_bad = not state_finite(optimizer, moments=self.check_moments)
-        table = _agree(self.bad_steps, state_bad)
+        table = _agree(self.bad_steps)
         self.bad_steps = []
         self._verdict = Verdict(step, not table.any().item(), _describe(table))
         if not self._verdict.ok:
@@ -151,29 +170,40 @@ class NonFiniteGuard:
                                      "saved (checkpoint.on_nonfinite=stop; 'skip' trains on without saving it)")
         return self._verdict
 
+    def state_blocked(self, tier: str, step: int, ranks: Sequence[int]) -> None:
+        """On every rank, after ``tier``'s save of ``step`` found non-finite values in the staged
+        state of ``ranks`` (agreed in the save's finalize; nothing of it was sealed or published).
 
-def _agree(bad_steps: Iterable[int], state_bad: bool) -> torch.Tensor:
-    """One all-reduce (MAX) of a ``[world_size, 4]`` int64 table in which each rank fills its row:
-    first bad step, last bad step, number of bad steps, state non-finite (0/1). Inside the manager's
+        Raises:
+            NonFiniteError: with ``on_nonfinite=stop``, naming the step, tier and ranks.
+        """
+        message = f"non-finite parameters or optimizer moments on rank(s) {', '.join(map(str, ranks))}"
+        log.error("%s checkpoint of step %d blocked on every rank: %s", tier, step, message)
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"step {step}: {message}; the {tier} checkpoint of it was not saved, the "
+                                 "previous one stays the newest (checkpoint.on_nonfinite=stop; 'skip' trains on "
+                                 "without saving it)")
+
+
+def _agree(bad_steps: Iterable[int]) -> torch.Tensor:
+    """One all-reduce (MAX) of a ``[world_size, 3]`` int64 table in which each rank fills its row:
+    first bad step, last bad step, number of bad steps. Inside the manager's
     ``collective_timeout_s`` bound; a rank that is gone raises ``CollectiveError`` on every rank."""
     steps = sorted(bad_steps)
     world = _dist.world_size()
-    table = torch.zeros(world, 4, dtype=torch.int64)
-    if steps or state_bad:
-        table[_dist.rank()] = torch.tensor([steps[0] if steps else 0, steps[-1] if steps else 0,
-                                            len(steps), int(state_bad)])
+    table = torch.zeros(world, 3, dtype=torch.int64)
+    if steps:
+        table[_dist.rank()] = torch.tensor([steps[0], steps[-1], len(steps)])
     return _dist.all_reduce_max_table(table)
 
 
 def _describe(table: torch.Tensor) -> str:
     """``non-finite values at step 7 on rank 1; ...`` from the agreed table (empty when clean)."""
     parts = []
-    for rank, (first, last, count, state_bad) in enumerate(table.tolist()):
+    for rank, (first, last, count) in enumerate(table.tolist()):
         if count:
             span = f"step {first}" if count == 1 else f"{count} steps from {first} to {last}"
             parts.append(f"non-finite loss or gradients at {span} on rank {rank}")
-        if state_bad:
-            parts.append(f"non-finite parameters or optimizer moments on rank {rank}")
     firsts = [int(r[0]) for r in table.tolist() if r[2]]
     if firsts:
         first = min(firsts)

@@ -72,6 +72,7 @@ class CheckpointTierHandler(Protocol):
     persistent: ClassVar[bool]  # survives the loss of a node (the final save of a run prefers such a tier)
     per_rank_files: ClassVar[bool]  # each rank's own files (LOCAL): a failed check quarantines that rank's only
     failures: list[int]  # steps whose save failed on some rank, in order (the manager decides what follows)
+    nonfinite: list[tuple[int, list[int]]]  # (step, ranks): saves blocked by a NaN/inf staged state (manager takes them)
     last_durable_s: Optional[float]  # start of the last finalized save to its sealed/published agreement
 
     @property

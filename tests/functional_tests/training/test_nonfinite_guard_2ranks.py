@@ -46,6 +46,27 @@ def test_inf_gradient_on_rank_1_at_step_7_blocks_step_10_everywhere_and_stops(tm
 
 
 @pytest.mark.slow
+def test_inf_parameter_on_rank_1_after_step_10_blocks_both_tiers_of_step_10_and_stops(tmp_path, torchrun):
+    """Nothing in the steps up to 10 was non-finite: rank 1's shard of a parameter turns inf after
+    step 10's update. The writer threads find it in the staged state of step 10 (rank 1) before
+    writing; no tier seals or publishes step 10, and the run stops saying so. TP=2: the shard is
+    rank 1's own, written by rank 1 in both tiers (a data-parallel replica is written, and checked,
+    by one rank only)."""
+    run = tmp_path / "tiny"
+    proc = torchrun([WORKER, tmp_path, "train.train_iters=12", "train.eval_interval=null", *_common(run),
+                     "distributed.tensor_model_parallel_size=2"],
+                    env={"TIERSTACK_TEST_INF_PARAM_AT": "10"}, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-4000:]
+    assert "NonFiniteError: step 10: non-finite parameters or optimizer moments on rank(s) 1" in log, log[-4000:]
+    assert "LOCAL checkpoint of step 10: non-finite parameters or optimizer moments on rank 1" in log
+    assert _global_steps(run) == [5]
+    assert all(_local_steps(run, r) == [5] for r in (0, 1))
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert not list(run.rglob("*staging*")) and not list(run.rglob("*.dirty*"))
+
+
+@pytest.mark.slow
 def test_skip_trains_on_a_blocked_best_candidate_changes_nothing_and_the_next_clean_boundary_saves(tmp_path, torchrun):
     """A transient fault (rank 1's loss is non-finite at step 7, the state stays finite): the best
     candidate of step 9 is blocked, the regular boundary 10 and the final step 13 save; the records

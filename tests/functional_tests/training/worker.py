@@ -54,6 +54,7 @@ def main() -> None:
     # Faults of the non-finite guard tests, on rank 1 only, at one step:
     inf_grad_at = int(os.environ.get("TIERSTACK_TEST_INF_GRAD_AT", "0"))  # gradients the optimizer applies
     inf_loss_at = int(os.environ.get("TIERSTACK_TEST_INF_LOSS_AT", "0"))  # the loss report only (transient)
+    inf_param_at = int(os.environ.get("TIERSTACK_TEST_INF_PARAM_AT", "0"))  # a parameter, after the step's update
     # Validation loss goes down, then up: from this step on, each step adds noise to the weights.
     noise_from = int(os.environ.get("TIERSTACK_TEST_NOISE_FROM", "0"))
     rank = int(os.environ.get("RANK", "0"))  # a plain `python` launch is a 1-rank run
@@ -64,6 +65,11 @@ def main() -> None:
         if ts.step == sigterm_at and rank == 1:
             # A pre-emption notice that reaches one rank only.
             os.kill(os.getpid(), signal.SIGTERM)
+        if ts.step == inf_param_at and rank == 1:  # after the update, before this step's checkpoints
+            import torch
+
+            with torch.no_grad():
+                next(captured["model"].parameters()).view(-1)[0] = float("inf")
         if noise_from and ts.step >= noise_from:
             import torch
 

@@ -2,14 +2,16 @@
 
 The fakes implement the tier Protocol and record every call in one shared journal, so the tests
 check what the manager decides (intervals, once per step and tier, order, the non-finite guard,
-failures, the final tier, close) and nothing of how a tier writes. The model is a real (tiny) torch
-module with a real torch Adam: the guard runs for real on its parameters and moments.
+failures, the final tier, close) and nothing of how a tier writes. A fake tier reports a non-finite
+staged state as a real one does after its writer's check (``nonfinite``; the real check has its
+tests in test_nonfinite_guard.py). The model is a real (tiny) torch module with a real torch Adam.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import pytest
@@ -29,13 +31,16 @@ LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_paralle
 class FakeTier:
     """A tier that records calls; ``fail_at`` steps fail (as a real tier reports it: in ``failures``)."""
 
-    def __init__(self, tier, journal, *, interval=None, saves=True, persistent=False, fail_at=(), close_error=None):
+    def __init__(self, tier, journal, *, interval=None, saves=True, persistent=False, fail_at=(), close_error=None,
+                 nonfinite_at=()):
         self.tier, self.journal = tier, journal
         self.interval, self.saves, self.persistent = interval, saves, persistent
         self.enabled = saves
         self.run_root: Optional[Path] = None
         self.failures: list[int] = []
+        self.nonfinite: list[tuple[int, list[int]]] = []
         self.fail_at, self.close_error = set(fail_at), close_error
+        self.nonfinite_at = set(nonfinite_at)  # steps whose staged state the writer finds non-finite on rank 0
         self.in_flight, self.staging_bytes = 0, 0
         self.sealed: list[int] = []
         self.captured: list[tuple] = []  # (step, best records of the TrainState the save captured)
@@ -72,6 +77,9 @@ class FakeTier:
         if step in self.fail_at:
             self.failures.append(step)
             return None
+        if step in self.nonfinite_at:  # as a real tier reports it after its (here synchronous) finalize
+            self.nonfinite.append((step, [0]))
+            return 0.0
         self.sealed.append(step)
         return 0.0
 
@@ -148,37 +156,42 @@ def test_a_tier_that_does_not_save_is_skipped():
 
 def test_the_guard_runs_once_per_step_for_all_tiers(monkeypatch):
     calls = []
-    real = guard_module.state_finite
-    monkeypatch.setattr(guard_module, "state_finite", lambda opt, **kw: calls.append(1) or real(opt, **kw))
+    real = guard_module._agree
+    monkeypatch.setattr(guard_module, "_agree", lambda steps: calls.append(1) or real(steps))
     journal: list = []
     manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
     run_steps(manager, objs, 4)
-    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one check each
+    assert len(saves(journal)) == 4 and len(calls) == 2  # two steps with saves, one agreement each
 
 
-def test_non_finite_parameters_block_every_tier_of_that_step_and_skip_trains_on():
+def test_a_non_finite_staged_state_blocks_that_step_and_skip_trains_on():
     journal: list = []
-    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2}, on_nonfinite="skip")
-    run_steps(manager, objs, 1)
-    with torch.no_grad():
-        objs.model[0].weight[0, 0] = float("nan")
-    run_steps(manager, objs, 1)
-    assert saves(journal) == []  # the tiers were never asked
-    assert manager.blocked_steps == [2] and local.failures == [] and global_.failures == []
-    with torch.no_grad():
-        objs.model[0].weight[0, 0] = 0.0
+    manager, objs, local, global_ = make(journal, local={"interval": 2, "nonfinite_at": [2]},
+                                         global_={"interval": 2, "nonfinite_at": [2]}, on_nonfinite="skip")
     run_steps(manager, objs, 2)
-    assert saves(journal) == [("local", 4), ("global", 4)]
+    assert saves(journal) == [("local", 2), ("global", 2)]  # staged, then blocked by the writers' check
+    assert manager.blocked_steps == [2] and local.failures == [] and global_.failures == []
+    assert local.sealed == global_.sealed == [] and local.nonfinite == global_.nonfinite == []  # taken
+    run_steps(manager, objs, 2)
+    assert saves(journal)[-2:] == [("local", 4), ("global", 4)] and local.sealed == global_.sealed == [4]
 
 
-def test_non_finite_moment_blocks_and_stop_raises_naming_the_step():
+def test_a_non_finite_staged_state_with_stop_raises_naming_the_step_tier_and_rank():
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 2, "nonfinite_at": [2]}, global_={"interval": 4})
+    objs.train_state.step = 1
+    with pytest.raises(guard_module.NonFiniteError,
+                       match=r"step 2: non-finite parameters or optimizer moments on rank\(s\) 0; the LOCAL checkpoint"):
+        run_steps(manager, objs, 1)
+    assert manager.blocked_steps == [2]
+
+
+def test_non_finite_steps_block_every_tier_before_anything_is_staged():
     journal: list = []
     manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 2})
-    objs.model[0].weight.sum().backward()
-    objs.optimizer.step()  # Adam state exists
-    objs.optimizer.state[objs.model[0].weight]["exp_avg_sq"][1, 1] = float("inf")
     objs.train_state.step = 1
-    with pytest.raises(guard_module.NonFiniteError, match=r"step 2: .*optimizer moments on rank 0"):
+    manager.observe_step(objs, SimpleNamespace(update_successful=True, local_loss_finite=False, grad_norm=1.0))
+    with pytest.raises(guard_module.NonFiniteError, match=r"step 2: first non-finite step 1 on rank\(s\) 0"):
         run_steps(manager, objs, 1)
     assert saves(journal) == []
 

@@ -1,5 +1,6 @@
-"""The non-finite guard on one process: per-step flags, the boundary check of what a checkpoint
-writes (real torch Adam parameters and moments), the verdict once per step, stop and skip."""
+"""The non-finite guard on one process: per-step flags, the check of what a checkpoint writes
+(real torch Adam parameters and moments, staged into a real tier's buffers and checked on its
+writer thread before anything is written), the verdict once per step, stop and skip."""
 
 import math
 from types import SimpleNamespace
@@ -7,7 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tierstack.checkpointing.nonfinite_guard import NonFiniteError, NonFiniteGuard, _sums_finite, state_finite
+from tierstack.checkpointing.local_tier import LocalTier, _InFlight
+from tierstack.checkpointing.nonfinite_guard import (
+    NonFiniteError, NonFiniteGuard, NonFiniteStateError, check_staged, tensors_finite,
+)
+from tierstack.checkpointing.staging import Stager
+from tierstack.config import CheckpointConfig
+from tierstack.runtime import ParallelLayout
+
+LAYOUT = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
+                        pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,
+                        pipeline_model_parallel_rank=0, data_parallel_rank=0)
 
 
 def adam_after_one_step():
@@ -23,22 +34,57 @@ def step_result(loss=1.0, grad_norm=1.0, update_successful=True, local_loss_fini
                            local_loss_finite=local_loss_finite)
 
 
+def adam_state_tensors(model, opt):
+    """What a save stages of a torch Adam: parameters, moments and the integer-like step counters."""
+    return [*model.parameters(), *(v for st in opt.state.values() for v in st.values())]
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("where", ["param", "exp_avg", "exp_avg_sq"])
-def test_one_non_finite_value_in_what_is_written_fails(bad, where):
+def test_one_non_finite_value_in_what_is_staged_fails(bad, where):
     model, opt = adam_after_one_step()
-    assert state_finite(opt)
+    stager = Stager("test")
+    buffers = stager.stage(adam_state_tensors(model, opt))
+    check_staged(buffers, "step 1")  # finite: passes
     target = model.weight.data if where == "param" else opt.state[model.weight][where]
     target[1, 2] = bad
-    assert not state_finite(opt)
-    if where != "param":
-        assert state_finite(opt, moments=False)  # save_optim=false: moments are not written
+    check_staged(buffers, "step 1")  # the live tensors changed after the hand-off: not what is written
+    buffers = stager.stage(adam_state_tensors(model, opt))
+    with pytest.raises(NonFiniteStateError, match=r"step 2: non-finite parameters or optimizer moments on rank 0"):
+        check_staged(buffers, "step 2")
+    stager.close()
 
 
-def test_huge_but_finite_values_pass_although_their_sum_overflows():
+def test_integer_buffers_are_skipped_and_huge_finite_values_pass_although_their_sum_overflows():
     t = torch.full((4,), 3e38)
-    assert not math.isfinite(float(t.sum())) and _sums_finite([t, torch.zeros(0)])
-    assert not _sums_finite([t, torch.tensor([1.0, math.nan])])
+    assert not math.isfinite(float(t.sum())) and tensors_finite([t, torch.zeros(0)])
+    assert not tensors_finite([t, torch.tensor([1.0, math.nan])])
+    check_staged([t, torch.tensor([2**62, 2**62], dtype=torch.int64), torch.tensor([True])], "huge")
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_local_save_of_a_non_finite_state_writes_nothing_and_is_the_guards_verdict_not_a_failure(tmp_path, finite):
+    """A real LOCAL tier: the state is staged, the writer thread checks the buffers before it writes,
+    and finalize records the step in ``nonfinite`` with the ranks (the manager applies on_nonfinite)."""
+    model, opt = adam_after_one_step()
+    if not finite:
+        opt.state[model.weight]["exp_avg_sq"][0, 0] = math.inf
+    tier = LocalTier(CheckpointConfig(load=str(tmp_path / "g"), local_dir=str(tmp_path / "local")), LAYOUT)
+    try:
+        buffers = tier._stager.stage(adam_state_tensors(model, opt))
+        job = tier._submit_checked("LOCAL checkpoint of step 20", tier._write_and_seal, 20, "runA", {"step": 20},
+                                   b"", buffers, {})
+        tier._in_flight = _InFlight(20, "runA", 0.0, 0.0, job)
+        tier.finalize(blocking=True)
+        assert tier.failures == []
+        if finite:  # the control: the same save of a finite state is sealed
+            assert tier.sealed == [20] and tier.nonfinite == []
+            return
+        assert tier.sealed == [] and tier.nonfinite == [(20, [0])]
+        assert isinstance(job.exception(), NonFiniteStateError)
+        assert not (tmp_path / "local" / "0").exists() or list((tmp_path / "local" / "0").iterdir()) == []
+    finally:
+        tier.close()
 
 
 def test_a_step_the_optimizer_skipped_does_not_trip_an_applied_one_does():
@@ -61,18 +107,21 @@ def test_the_verdict_is_once_per_step_spends_the_interval_and_names_steps_and_ra
     _, opt = adam_after_one_step()
     guard = NonFiniteGuard("skip")
     guard.bad_steps = [7]
-    verdict = guard.check(10, opt)
+    verdict = guard.check(10)
     assert not verdict.ok and verdict.message.startswith("first non-finite step 7 on rank(s) 0")
     guard.observe(10, step_result(), opt)
-    assert guard.check(10, opt) is verdict  # the second tier of the step: same verdict, no new check
-    assert guard.check(15, opt).ok  # the next interval is judged on its own steps
+    assert guard.check(10) is verdict  # the second tier of the step: same verdict, no new check
+    assert guard.check(15).ok  # the next interval is judged on its own steps
 
 
 def test_stop_raises_with_the_steps_and_skip_does_not():
-    _, opt = adam_after_one_step()
     guard = NonFiniteGuard("stop")
     guard.bad_steps = [7, 8, 9]
     with pytest.raises(NonFiniteError, match=r"step 10: first non-finite step 7 on rank\(s\) 0; .*3 steps from 7 to 9"):
-        guard.check(10, opt)
+        guard.check(10)
+    with pytest.raises(NonFiniteError, match=r"step 20: non-finite parameters or optimizer moments on rank\(s\) 1; "
+                                             r"the LOCAL checkpoint of it was not saved"):
+        guard.state_blocked("LOCAL", 20, [1])
+    NonFiniteGuard("skip").state_blocked("GLOBAL", 20, [0, 1])  # logged, not raised
     with pytest.raises(ValueError, match="checkpoint.on_nonfinite='maybe'"):
         NonFiniteGuard("maybe")
