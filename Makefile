@@ -1,6 +1,8 @@
 # The two commands of the README. Each creates .venv on first use (scripts/setup.sh).
 VENV := .venv
 NPROC ?= 2
+# pytest-xdist workers for `make test` (one test file per worker at a time); 0 runs in one process.
+TEST_WORKERS ?= 2
 ARGS ?=
 
 .PHONY: venv pretrain test test-fast bench
@@ -14,7 +16,7 @@ pretrain: venv
 
 ## All tests, multi-rank torchrun scenarios included.
 test: venv
-	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 ## Unit tests only (no torchrun scenarios).
 test-fast: venv

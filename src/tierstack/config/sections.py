@@ -347,6 +347,7 @@ class LoggerConfig(_Section):
     run_dir: str = "runs/default"  # where logs, plots and the default mlflow store go
     log_interval: int = 10  # iterations between rank-0 log lines
     progress_bar: bool = True  # tqdm bar on rank 0
+    loss_curve: bool = True  # write <run_dir>/loss_curve.png at the end of the run (rank 0, matplotlib)
 
     def problems(self) -> list[str]:
         return _at_least("logger", self, ("log_interval",))

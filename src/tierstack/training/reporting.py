@@ -39,7 +39,8 @@ def run_reporters(s):
 
     Yields ``(progress, history)`` for :func:`tierstack.training.train.train`. On rank 0 only:
     ``<run_dir>/metrics.jsonl`` (continued across resumes) and ``<run_dir>/loss_curve.png``
-    (train and validation loss, checkpoint and resume steps marked), also logged to mlflow.
+    (train and validation loss, checkpoint and resume steps marked; ``logger.loss_curve``), also
+    logged to mlflow.
     """
     from tierstack.observability.console import ProgressLogger
     from tierstack.observability.history import MetricsHistory
@@ -66,7 +67,7 @@ def run_reporters(s):
         progress.close()
         # Publish in-flight async saves first, so the image marks every checkpoint of the run.
         s.checkpoint_manager.close()
-        if rank == 0:
+        if rank == 0 and cfg.logger.loss_curve:
             _write_loss_curve(s, history, run_dir)
 
 

@@ -27,7 +27,7 @@ def tiny_config(overrides):
         # dropout and validation on: an exact resume must restore every random draw of a step
         "model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.eval_interval=3", "train.eval_iters=1",
         "dataset.mock=true", "scheduler.lr_warmup_iters=2",
-        "scheduler.lr_decay_iters=8", "logger.log_interval=100", "logger.progress_bar=false",
+        "scheduler.lr_decay_iters=8", "logger.log_interval=100", "logger.progress_bar=false", "logger.loss_curve=false",
         "checkpoint.retry_backoff_s=0.1",
     ])
     cfg.apply_overrides(overrides)

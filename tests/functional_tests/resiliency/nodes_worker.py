@@ -34,7 +34,7 @@ def tiny_config(overrides):
         "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
         "model.transformer_impl=local", "train.micro_batch_size=2", "train.global_batch_size=4",
         "train.eval_interval=null", "dataset.mock=true", "scheduler.lr_warmup_iters=2",
-        "scheduler.lr_decay_iters=30", "logger.log_interval=100", "logger.progress_bar=false",
+        "scheduler.lr_decay_iters=30", "logger.log_interval=100", "logger.progress_bar=false", "logger.loss_curve=false",
         "checkpoint.retry_backoff_s=0.1", "straggler=null", "mlflow=null",
     ])
     cfg.apply_overrides(overrides)

@@ -33,6 +33,7 @@ def tiny_config(out_dir: Path) -> ConfigContainer:
     cfg.train.eval_iters = 2
     cfg.logger.log_interval = 5
     cfg.logger.progress_bar = False
+    cfg.logger.loss_curve = False  # 0.6 s of matplotlib per launch; the main job and mlflow tests check the image
     cfg.checkpoint.save = None
     cfg.checkpoint.save_interval = None
     cfg.checkpoint.local_dir = None
