@@ -6,7 +6,8 @@ The protocol (issue 11):
    candidate ``(step, value)`` when it would enter the top-K of the committed records. Nothing
    else changes: no file, no TrainState field.
 2. **Commit** (every rank, when a GLOBAL checkpoint of that step is saved, after the non-finite
-   guard passed): :meth:`BestRecords.records_for` gives the top-K with the candidate merged in;
+   guard's boundary agreement passed; a save the guard blocks when it ends is not kept in any
+   tier, so its records are never published): :meth:`BestRecords.records_for` gives the top-K with the candidate merged in;
    the manager puts them into the TrainState captured by that save, so the restart metadata of
    the checkpoint being written already names it.
 3. **Publish**: the records ride in the manifest and ``latest_train_state.pt`` with the checkpoint;

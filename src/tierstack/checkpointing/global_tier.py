@@ -299,11 +299,18 @@ class GlobalTier(StagedTier):
         self._log_writer_error(job.step, error)
         try:
             retry.agree(error)  # every rank learns every rank's cause (rank, path, errno)
+            if job.step in self._vetoed:  # blocked in another tier: never published here either
+                global_writer.discard_results(job.request)
+                if _dist.rank() == 0:
+                    shutil.rmtree(job.staging, ignore_errors=True)
+                log.error("GLOBAL checkpoint of step %d discarded on every rank: the non-finite guard blocked that "
+                          "step", job.step)
+                return
             self._finalize_attempts(job)
         except retry.SaveAttemptFailed as e:
             if error is None:
                 global_writer.discard_results(job.request)
-            nonfinite = self._nonfinite_ranks(error)
+            nonfinite = self._nonfinite_ranks(job)
             if _dist.rank() == 0:
                 shutil.rmtree(job.staging, ignore_errors=True)
             if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
@@ -339,6 +346,13 @@ class GlobalTier(StagedTier):
         retry.run_attempts(attempt, attempts=c.save_retries, backoff_s=c.retry_backoff_s,
                            on_failure=lambda n, e: log.warning(
                                "GLOBAL finalize of step %d, attempt %d failed: %s", job.step, n, e))
+
+    def _unseal(self, step: int) -> None:
+        """A published GLOBAL checkpoint is never taken back (its trackers may be read already). It
+        cannot be needed: this tier checks every tensor it stages, a superset of what LOCAL writes
+        at the same step, so a step LOCAL blocks was blocked here first."""
+        log.error("GLOBAL checkpoint of step %d is published although the non-finite guard blocked that step "
+                  "in another tier", step)
 
     # ------------------------------------------------------------------ resume
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:

@@ -74,6 +74,7 @@ class LocalTier(StagedTier):
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.sealed: list[int] = []  # steps sealed on every rank by this process
+        self._run_id = ""  # the run of those steps
         self._abandoned: set[int] = set()  # interrupted saves found at resume: removed by the next save
         self._replicator = None  # checkpoint.replication_factor > 1: copies on other nodes (local_replicas)
         if self.root is not None and cfg.replication_factor > 1:
@@ -237,7 +238,12 @@ class LocalTier(StagedTier):
         try:
             retry.agree(error)  # the writer already retried transient errors; every rank learns each cause
         except retry.SaveAttemptFailed as e:
-            reason, nonfinite = str(e), self._nonfinite_ranks(error)
+            reason, nonfinite = str(e), self._nonfinite_ranks(job)
+        if reason is None and job.step in self._vetoed:  # blocked in another tier: not kept here either
+            self._discard_step(job.step, job.run_id)
+            log.error("LOCAL checkpoint of step %d discarded on every rank: the non-finite guard blocked that step",
+                      job.step)
+            return
         if reason is None and self._replicator is not None and not local_replicas.replicate_step(
                 self._replicator, self._replicas, job.step, job.run_id, self.cfg.most_recent_k):
             reason = "replication to the other nodes failed on some rank"
@@ -250,6 +256,7 @@ class LocalTier(StagedTier):
             self.failures.append(job.step)
             return
         self.sealed.append(job.step)
+        self._run_id = job.run_id
         self.last_durable_s = time.perf_counter() - job.started
         if self.layout.local_rank == 0:
             paths.write_run_file(self.root, job.run_id)
@@ -261,6 +268,19 @@ class LocalTier(StagedTier):
         if self.layout.rank == 0:
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
                      job.step, self.root, job.blocked_s, self.last_durable_s)
+
+    def _unseal(self, step: int) -> None:
+        """This rank's sealed files of ``step`` (and the replicas it holds of it) are removed: the
+        guard blocked the step (:meth:`veto`)."""
+        self._discard_step(step, self._run_id)
+        if self._replicator is not None:
+            try:
+                self._replicas.remove_replicas(step, self._replicator.clique)
+            except OSError as e:
+                log.error("LOCAL replicas of blocked step %d on rank %d not removed: %s", step, self.layout.rank, e)
+        self.sealed.remove(step)
+        log.error("LOCAL checkpoint of step %d removed on rank %d: the non-finite guard blocked that step",
+                  step, self.layout.rank)
 
     # ------------------------------------------------------------------ resume
     def prepare_resume(self, run_id: str) -> None:

@@ -269,14 +269,17 @@ class CheckpointManager:
     def save(self, tier: CheckpointTier, objs: TrainingObjects) -> Optional[float]:
         """Collective: save ``tier`` now (end of training, planned exits). Once per step and tier.
 
-        First the non-finite guard (once per step, whatever the number of tiers; one all-reduce,
-        before any staging): a blocked boundary saves nothing in any tier and either raises
+        First the tier's previous save is finalized and what it reported is applied; then the
+        non-finite guard (once per step, whatever the number of tiers; one all-reduce, before any
+        staging): a blocked boundary saves nothing in any tier and either raises
         :class:`~tierstack.checkpointing.nonfinite_guard.NonFiniteError` (``on_nonfinite=stop``)
         or is skipped. The state itself is checked on each tier's writer thread before it is
-        written; a non-finite one blocks that save when it ends (:meth:`_raise_if_failed`). A persistent tier's save carries the top-K best records with this step's
-        candidate committed (:meth:`_save_with_records`).
+        written; a non-finite one blocks that save, and the other tiers' saves of the step, when
+        it ends (:meth:`_raise_if_failed`). A persistent tier's save carries the top-K best
+        records with this step's candidate committed (:meth:`_save_with_records`).
 
-        Returns the seconds the loop was blocked (the guard included), or None when nothing was saved."""
+        Returns the seconds the loop was blocked (the guard included), or None when nothing was
+        handed to a writer (a blocked boundary, a failed staging)."""
         with self._bounded():
             return self._save(tier, objs)
 
@@ -287,6 +290,8 @@ class CheckpointManager:
             return None
         t0 = time.perf_counter()
         self._train_state = objs.train_state
+        handler.finalize(blocking=True)  # the save before: a block or failure it reports comes first
+        self._raise_if_failed()
         if not self.guard.check(step).ok:
             if not self.blocked_steps or self.blocked_steps[-1] != step:
                 self.blocked_steps.append(step)
@@ -335,12 +340,18 @@ class CheckpointManager:
     def _raise_if_failed(self) -> None:
         """After saves ended (every rank, same lists): apply ``on_nonfinite`` to the saves whose staged
         state held NaN/inf (``NonFiniteError`` with ``stop``), then ``exit_on_save_failure``."""
+        blocked = []
         for handler in self._tiers.values():
-            blocked, handler.nonfinite = list(handler.nonfinite), []
-            for step, ranks in blocked:
-                if step not in self.blocked_steps:
-                    self.blocked_steps.append(step)
-                self.guard.state_blocked(handler.tier.value.upper(), step, ranks)
+            blocked += [(handler, step, ranks) for step, ranks in handler.nonfinite]
+            handler.nonfinite = []
+        for handler, step, _ in blocked:  # every tier of a blocked step is blocked alike
+            if step not in self.blocked_steps:
+                self.blocked_steps.append(step)
+            for other in self._tiers.values():
+                if other is not handler:
+                    other.veto(step)
+        if blocked:
+            self.guard.state_blocked([(h.tier.value.upper(), step, ranks) for h, step, ranks in blocked])
         failed = {t.value: list(h.failures) for t, h in self._tiers.items() if h.failures}
         if failed and self.cfg.exit_on_save_failure:
             raise CheckpointSaveError(f"checkpoint save failed {failed}; checkpoint.exit_on_save_failure=true")

@@ -23,9 +23,9 @@ written (:func:`check_staged`, :class:`NonFiniteStateError`). That is exactly th
 would hold, and the ranks agree on it in the save's own finalize agreement, before anything is
 sealed or published; :meth:`NonFiniteGuard.state_blocked` then applies ``on_nonfinite``. A
 tensor replicated over data-parallel ranks is checked where it is staged: GLOBAL stages every
-replica, LOCAL (megatron's fully-parallel distribution) only the one rank that writes it, so a
-NaN in a replica that no file holds does not block a LOCAL save; it reaches the next step's loss,
-which the per-step flags catch. (Checked
+replica, LOCAL (megatron's fully-parallel distribution) only the one rank that writes it. A step
+blocked in one tier is vetoed in the others (``CheckpointManager``), so every tier of a step is
+blocked alike, as at a boundary. (Checked
 on the training thread, this pass over the whole state cost 0.125 s of a 0.33 s LOCAL save at
 1.13 GiB per rank: ``scripts/bench_checkpoint.py --scale 1gib``.) A state that stays non-finite
 keeps blocking every later save with ``skip``.
@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
-    """``checkpoint.on_nonfinite=stop`` and a boundary found non-finite values on some rank."""
+    """``checkpoint.on_nonfinite=stop`` and non-finite values were found on some rank: at a
+    boundary (the interval's flags) or when a save ended (its staged state)."""
 
 
 class NonFiniteStateError(RuntimeError):
@@ -170,19 +171,22 @@ class NonFiniteGuard:
                                      "saved (checkpoint.on_nonfinite=stop; 'skip' trains on without saving it)")
         return self._verdict
 
-    def state_blocked(self, tier: str, step: int, ranks: Sequence[int]) -> None:
-        """On every rank, after ``tier``'s save of ``step`` found non-finite values in the staged
-        state of ``ranks`` (agreed in the save's finalize; nothing of it was sealed or published).
+    def state_blocked(self, blocked: Sequence[tuple[str, int, Sequence[int]]]) -> None:
+        """On every rank, after saves found non-finite values in their staged state: ``(tier, step,
+        ranks)`` each (agreed in the saves' finalize; nothing of them was sealed or published, and
+        the manager discards every other tier's save of those steps).
 
         Raises:
-            NonFiniteError: with ``on_nonfinite=stop``, naming the step, tier and ranks.
+            NonFiniteError: with ``on_nonfinite=stop``, naming the steps, tiers and ranks.
         """
-        message = f"non-finite parameters or optimizer moments on rank(s) {', '.join(map(str, ranks))}"
-        log.error("%s checkpoint of step %d blocked on every rank: %s", tier, step, message)
-        if self.on_nonfinite == "stop":
-            raise NonFiniteError(f"step {step}: {message}; the {tier} checkpoint of it was not saved, the "
-                                 "previous one stays the newest (checkpoint.on_nonfinite=stop; 'skip' trains on "
-                                 "without saving it)")
+        messages = []
+        for tier, step, ranks in blocked:
+            message = f"non-finite parameters or optimizer moments on rank(s) {', '.join(map(str, ranks))}"
+            log.error("checkpoint of step %d blocked in every tier on every rank (found by %s): %s", step, tier, message)
+            messages.append(f"step {step}: {message} (found by the {tier} save)")
+        if messages and self.on_nonfinite == "stop":
+            raise NonFiniteError("; ".join(messages) + "; no tier keeps a checkpoint of it, the previous ones stay "
+                                 "the newest (checkpoint.on_nonfinite=stop; 'skip' trains on without saving it)")
 
 
 def _agree(bad_steps: Iterable[int]) -> torch.Tensor:

@@ -175,6 +175,7 @@ class StagedTier:
         self.failures: list[int] = []  # steps whose save failed on some rank (the manager decides what follows)
         # (step, ranks) of saves whose staged state held NaN/inf on those ranks; the manager takes them
         self.nonfinite: list[tuple[int, list[int]]] = []
+        self._vetoed: set[int] = set()  # steps the guard blocked in another tier (see veto)
         self.last_durable_s: Optional[float] = None  # start of the last finalized save to its agreement
         self._retention: Optional[_WriterThread] = None  # deletes old checkpoints off the training thread
         self._retention_jobs: list[Future] = []
@@ -222,15 +223,29 @@ class StagedTier:
             log.error("%s write of step %d failed on rank %d: %s", self._stager.name, step, collectives.rank(),
                       errors.describe(error))
 
-    def _nonfinite_ranks(self, error: Optional[BaseException]) -> list[int]:
+    def _nonfinite_ranks(self, job) -> list[int]:
         """Collective, on the failure path of a save that failed on every rank (all ranks take it
-        together, after the agreement): the ranks whose writer found a non-finite staged state."""
+        together, after the agreement): the ranks whose writer found a non-finite staged state
+        (also when a write timeout on another rank is the agreed error)."""
         from tierstack.checkpointing.nonfinite_guard import NonFiniteStateError
         from tierstack.runtime import collectives
 
+        own = job.job.exception() if job.job.done() else None
         flags = torch.zeros(collectives.world_size(), 1, dtype=torch.int64)
-        flags[collectives.rank()] = int(isinstance(error, NonFiniteStateError))
+        flags[collectives.rank()] = int(isinstance(own, NonFiniteStateError))
         return [r for r, (bad,) in enumerate(collectives.all_reduce_max_table(flags).tolist()) if bad]
+
+    def veto(self, step: int) -> None:
+        """On every rank: the non-finite guard blocked ``step`` in another tier, so this tier's
+        save of it must not be kept either (every tier of a step is blocked alike). A save of it
+        still in flight is discarded at its finalize; one already sealed is removed
+        (:meth:`_unseal`). Not collective: every rank receives the same vetoes."""
+        self._vetoed.add(step)
+        if step in self.saved_steps():
+            self._unseal(step)
+
+    def _unseal(self, step: int) -> None:  # pragma: no cover - each tier defines it
+        raise NotImplementedError
 
     @property
     def retention_pending(self) -> bool:

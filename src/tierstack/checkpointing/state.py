@@ -142,10 +142,42 @@ def build(objs: TrainingObjects, *, is_loading: bool, optim: bool, rng: bool) ->
         if is_loading:
             prepare_optimizer_for_load(objs.optimizer)
         sd[OPTIMIZER] = objs.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
+        if not is_loading:
+            zero_padding(sd[OPTIMIZER])
     if rng:
         ws = torch.distributed.get_world_size()
         sd[RNG] = rng_object(ws, torch.distributed.get_rank(), runtime.get_rng_state() if not is_loading else None)
     return sd
+
+
+def zero_padding(tree: Any) -> int:
+    """Zero the padding shards of a DistributedOptimizer's sharded state dict; returns how many.
+
+    megatron-core's ``dp_reshardable`` format covers the gaps between parameters in its buffers
+    (a parameter's size not a multiple of the bucket alignment) with ``torch.empty`` tensors of
+    ``param``, ``exp_avg`` and ``exp_avg_sq`` marked ``'padding': True`` (megatron-core 0.16.1,
+    ``DistributedOptimizer.sharded_param_state_dp_reshardable``). Their bytes are whatever that
+    memory held: written as they are, a checkpoint differs from run to run, and the non-finite
+    check of the staged state (:func:`~tierstack.checkpointing.nonfinite_guard.check_staged`)
+    would read NaN bit patterns that no parameter holds. The tensors are fresh per build, so
+    zeroing them changes no training state.
+    """
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    count = 0
+    if isinstance(tree, dict):
+        flag = tree.get("padding")
+        if isinstance(flag, LocalNonpersistentObject) and flag.obj is True:
+            for v in tree.values():
+                if isinstance(v, ShardedTensor) and v.data is not None:
+                    v.data.zero_()
+                    count += 1
+        values = tree.values()
+    elif isinstance(tree, (list, tuple)):
+        values = tree
+    else:
+        return 0
+    return count + sum(zero_padding(v) for v in values if isinstance(v, (dict, list, tuple)))
 
 
 @torch.no_grad()  # a DistributedOptimizer's fp32 main params are views of leaves that require grad

@@ -142,7 +142,13 @@ class CheckpointTierHandler(Protocol):
 
     def finalize(self, blocking: bool) -> None:
         """Seal and publish the save in flight once its writer ended on every rank (``blocking``:
-        wait for it). A failure on any rank fails it on every rank."""
+        wait for it). A failure on any rank fails it on every rank (``failures``; ``nonfinite``
+        when a writer found NaN/inf in the staged state)."""
+        ...
+
+    def veto(self, step: int) -> None:
+        """The non-finite guard blocked ``step`` in another tier: this tier keeps no save of it
+        (in flight: discarded at finalize; sealed: removed). Not collective; same on every rank."""
         ...
 
     @property

@@ -254,8 +254,9 @@ class CheckpointConfig(_Section):
     keep_best_k: int = 0
     best_metric: str = "val_loss"  # the metric ranking them; lower is better (val_loss: nats per token)
     save_on_best: bool = False  # save GLOBAL right after a validation that enters the top-K
-    # A checkpoint boundary after non-finite loss/gradients (in an applied step) or a non-finite
-    # state on any rank saves nothing in any tier; then: stop (raise) or skip (train on).
+    # A checkpoint boundary after non-finite loss/gradients (in an applied step) on any rank saves
+    # nothing in any tier; a save whose staged state holds NaN/inf on any rank is kept in no tier
+    # (found on the writer threads, applied when the save ends); then: stop (raise) or skip (train on).
     on_nonfinite: str = "stop"
 
     def problems(self) -> list[str]:

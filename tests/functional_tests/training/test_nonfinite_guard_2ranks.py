@@ -60,6 +60,7 @@ def test_inf_parameter_on_rank_1_after_step_10_blocks_both_tiers_of_step_10_and_
     assert proc.returncode != 0, log[-4000:]
     assert "NonFiniteError: step 10: non-finite parameters or optimizer moments on rank(s) 1" in log, log[-4000:]
     assert "LOCAL checkpoint of step 10: non-finite parameters or optimizer moments on rank 1" in log
+    assert "checkpoint of step 10 blocked in every tier on every rank (found by GLOBAL)" in log
     assert _global_steps(run) == [5]
     assert all(_local_steps(run, r) == [5] for r in (0, 1))
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"

@@ -86,6 +86,11 @@ class FakeTier:
     def finalize(self, blocking):
         self.journal.append(("finalize", self.tier.value, blocking))
 
+    def veto(self, step):
+        self.journal.append(("veto", self.tier.value, step))
+        if step in self.sealed:
+            self.sealed.remove(step)
+
     def saved_steps(self):
         return list(self.sealed)
 
@@ -130,9 +135,11 @@ def test_intervals_decide_and_local_starts_before_global():
     manager, objs, _, _ = make(journal, local={"interval": 2}, global_={"interval": 4})
     run_steps(manager, objs, 8)
     assert saves(journal) == [("local", 2), ("local", 4), ("global", 4), ("local", 6), ("local", 8), ("global", 8)]
-    # every step first finalizes whatever ended, in both tiers, before any new save
+    # every step first finalizes whatever ended, in both tiers, before any new save; a tier's save
+    # waits for its previous one (and reports how it ended) before the guard and the staging
     first_save = journal.index(("save", "local", 2))
-    assert journal[first_save - 2:first_save] == [("finalize", "local", False), ("finalize", "global", False)]
+    assert journal[first_save - 3:first_save] == [("finalize", "local", False), ("finalize", "global", False),
+                                                  ("finalize", "local", True)]
 
 
 def test_once_per_step_and_tier():
@@ -176,12 +183,23 @@ def test_a_non_finite_staged_state_blocks_that_step_and_skip_trains_on():
     assert saves(journal)[-2:] == [("local", 4), ("global", 4)] and local.sealed == global_.sealed == [4]
 
 
+def test_a_step_blocked_in_one_tier_is_vetoed_in_the_others():
+    """GLOBAL's writer finds the staged state of step 2 non-finite (it checks every replica it
+    stages; LOCAL writes, and checks, fewer): LOCAL's save of step 2 is not kept either."""
+    journal: list = []
+    manager, objs, local, global_ = make(journal, local={"interval": 2}, global_={"interval": 2, "nonfinite_at": [2]},
+                                         on_nonfinite="skip")
+    run_steps(manager, objs, 2)
+    assert ("veto", "local", 2) in journal and ("veto", "global", 2) not in journal
+    assert local.sealed == [] and manager.blocked_steps == [2]
+
+
 def test_a_non_finite_staged_state_with_stop_raises_naming_the_step_tier_and_rank():
     journal: list = []
     manager, objs, _, _ = make(journal, local={"interval": 2, "nonfinite_at": [2]}, global_={"interval": 4})
     objs.train_state.step = 1
     with pytest.raises(guard_module.NonFiniteError,
-                       match=r"step 2: non-finite parameters or optimizer moments on rank\(s\) 0; the LOCAL checkpoint"):
+                       match=r"step 2: non-finite parameters or optimizer moments on rank\(s\) 0 \(found by the LOCAL save\)"):
         run_steps(manager, objs, 1)
     assert manager.blocked_steps == [2]
 

@@ -62,6 +62,27 @@ def test_integer_buffers_are_skipped_and_huge_finite_values_pass_although_their_
     check_staged([t, torch.tensor([2**62, 2**62], dtype=torch.int64), torch.tensor([True])], "huge")
 
 
+@pytest.mark.parametrize("when", ["in flight", "sealed"])
+def test_a_local_save_vetoed_by_the_guard_is_discarded_in_flight_or_removed_once_sealed(tmp_path, when):
+    model, opt = adam_after_one_step()
+    tier = LocalTier(CheckpointConfig(load=str(tmp_path / "g"), local_dir=str(tmp_path / "local")), LAYOUT)
+    try:
+        buffers = tier._stager.stage(adam_state_tensors(model, opt))
+        job = tier._submit_checked("LOCAL checkpoint of step 20", tier._write_and_seal, 20, "runA", {"step": 20},
+                                   b"", buffers, {})
+        tier._in_flight = _InFlight(20, "runA", 0.0, 0.0, job)
+        if when == "in flight":
+            tier.veto(20)
+        tier.finalize(blocking=True)
+        if when == "sealed":
+            assert tier.sealed == [20] and len(list((tmp_path / "local" / "0").iterdir())) == 2
+            tier.veto(20)
+        assert tier.sealed == [] and tier.failures == [] and tier.nonfinite == []
+        assert list((tmp_path / "local" / "0").iterdir()) == []
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("finite", [True, False])
 def test_a_local_save_of_a_non_finite_state_writes_nothing_and_is_the_guards_verdict_not_a_failure(tmp_path, finite):
     """A real LOCAL tier: the state is staged, the writer thread checks the buffers before it writes,
@@ -119,9 +140,49 @@ def test_stop_raises_with_the_steps_and_skip_does_not():
     guard.bad_steps = [7, 8, 9]
     with pytest.raises(NonFiniteError, match=r"step 10: first non-finite step 7 on rank\(s\) 0; .*3 steps from 7 to 9"):
         guard.check(10)
-    with pytest.raises(NonFiniteError, match=r"step 20: non-finite parameters or optimizer moments on rank\(s\) 1; "
-                                             r"the LOCAL checkpoint of it was not saved"):
-        guard.state_blocked("LOCAL", 20, [1])
-    NonFiniteGuard("skip").state_blocked("GLOBAL", 20, [0, 1])  # logged, not raised
+    with pytest.raises(NonFiniteError, match=r"step 20: non-finite parameters or optimizer moments on rank\(s\) 1 "
+                                             r"\(found by the LOCAL save\); step 20: .* rank\(s\) 0, 1 \(found by the GLOBAL"):
+        guard.state_blocked([("LOCAL", 20, [1]), ("GLOBAL", 20, [0, 1])])
+    NonFiniteGuard("skip").state_blocked([("GLOBAL", 20, [0, 1])])  # logged, not raised
     with pytest.raises(ValueError, match="checkpoint.on_nonfinite='maybe'"):
         NonFiniteGuard("maybe")
+
+
+def test_distributed_optimizer_padding_is_zeroed_so_its_garbage_never_blocks_a_save(monkeypatch):
+    """megatron's DistributedOptimizer pads the gaps between parameters (sizes not a multiple of its
+    alignment: hidden 40 here) with ``torch.empty`` shards of param, exp_avg and exp_avg_sq. Such
+    memory may hold NaN bit patterns; here it does for certain (``torch.empty`` returns NaN), and the
+    staged state must still pass: the padding is zeroed when the state dict is built."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from tierstack.checkpointing import state as ckpt_state
+    from tierstack.hf import checkpoint_io
+    from tierstack.recipes import gpt_config
+
+    cfg = gpt_config("tiny", num_layers=1, hidden_size=40, num_attention_heads=2, seq_length=16, train_iters=2,
+                     micro_batch_size=1, global_batch_size=1, lr=1e-3, run_root="unused")
+    cfg = cfg.apply_overrides(["optimizer.use_distributed_optimizer=true", "mlflow=null", "straggler=null"])
+    with checkpoint_io.parallel_world(cfg):
+        objs = checkpoint_io.build_objects(cfg, 257)
+        for opt in objs.optimizer.chained_optimizers:
+            opt._init_optimizer_states_with_dummy_values()  # Adam state as after a first step
+        real_empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(math.nan))
+        sd = ckpt_state.build(objs, is_loading=False, optim=True, rng=False)
+        monkeypatch.setattr(torch, "empty", real_empty)
+        data = [v.data for v in nested_values(sd) if isinstance(v, ShardedTensor) and v.data is not None]
+        padding = [v for d in _dicts(sd) if getattr(d.get("padding"), "obj", False) is True
+                   for v in d.values() if isinstance(v, ShardedTensor)]
+        assert len(padding) >= 3 and all(int(p.data.count_nonzero()) == 0 for p in padding)
+        check_staged(data, "step 1")  # without the zeroing: NonFiniteStateError on a healthy state
+
+
+def _dicts(tree):
+    if isinstance(tree, dict):
+        yield tree
+        for v in tree.values():
+            yield from _dicts(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _dicts(v)
