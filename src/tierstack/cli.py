@@ -184,7 +184,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "pretrain":  # pretrain configures logging per rank (training.reporting)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return args.func(args)
+    status = args.func(args)
+    from tierstack.runtime import process_exiting
+
+    process_exiting()
+    return status
 
 
 if __name__ == "__main__":

@@ -89,3 +89,6 @@ def finetune(hf_dir, tp, run_dir):
 
 if __name__ == "__main__":
     {"logits": logits, "finetune": finetune}[sys.argv[1]](*sys.argv[2:])
+    from tierstack.runtime import process_exiting
+
+    process_exiting()  # skip the final GC pass over torch's objects (0.7 s per rank)
