@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -59,16 +60,45 @@ def device_env(nproc: int) -> dict[str, str]:
     return {}
 
 
+LAUNCH_ID_ENV = "TIERSTACK_TEST_LAUNCH_ID"
+
+
+def _kill_launch(launch_id: str) -> int:
+    """SIGKILL every process whose environment carries ``LAUNCH_ID_ENV=launch_id``; returns how many.
+
+    torchrun starts each rank in a session (and process group) of its own, so killing the
+    launcher's group misses the ranks, and a rank whose launcher died is re-parented to init, out
+    of reach of a process-tree walk. The variable is inherited by every process of the launch.
+    """
+    import psutil
+
+    mine = f"{LAUNCH_ID_ENV}={launch_id}".encode()
+    killed = 0
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mine not in f.read().split(b"\0"):
+                    continue
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except (OSError, ProcessLookupError):  # gone, or not ours to read
+            continue
+    return killed
+
+
 def run_group(cmd, *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a new session; on timeout SIGKILL the whole process group, then re-raise.
+    """Run ``cmd`` in a new session; afterwards (on timeout first) SIGKILL every process the launch
+    started, wherever it went (:func:`_kill_launch`); on timeout re-raise.
 
     Output goes to temporary files, not pipes: a process that left the group (torchrun starts each
     rank in a session of its own, and a rank's children stay there when the rank dies) may still
     hold them open, and a pipe would make this wait for it.
 
     Raises:
-        subprocess.TimeoutExpired: after ``timeout`` seconds, once every process of the group is killed.
+        subprocess.TimeoutExpired: after ``timeout`` seconds, once every process of the launch is killed.
     """
+    launch_id = uuid.uuid4().hex
+    env = {**(os.environ if env is None else env), LAUNCH_ID_ENV: launch_id}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=cwd, env=env, start_new_session=True)
         expired = False
@@ -77,10 +107,11 @@ def run_group(cmd, *, timeout: float, cwd=None, env=None) -> subprocess.Complete
         except subprocess.TimeoutExpired:
             expired = True
         finally:
-            try:  # the whole group on timeout; ranks or writers that outlived a launcher that returned
+            try:  # the launcher's group on timeout; ranks or writers that outlived a launcher that returned
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            _kill_launch(launch_id)  # the ranks: sessions of their own, or re-parented to init
             proc.wait()
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()

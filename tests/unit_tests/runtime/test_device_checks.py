@@ -65,3 +65,27 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
         time.sleep(0.1)
     os.kill(child, 9)
     pytest.fail(f"child {child} outlived the timed-out launch")
+
+
+@pytest.mark.parametrize("launcher_ends", ["by timeout", "by itself"])
+def test_a_child_in_a_session_of_its_own_does_not_outlive_the_launch(tmp_path, launcher_ends):
+    """torchrun starts each rank in a session of its own: killing the launcher's process group
+    misses it, and once the launcher is gone it is init's child. Every process that carries the
+    launch's id in its environment is killed, after a timeout and after a launch that returned."""
+    pid_file = tmp_path / "child.pid"
+    script = f"setsid sleep 120 & echo $! > {pid_file}; " + ("wait" if launcher_ends == "by timeout" else "exit 0")
+    if launcher_ends == "by timeout":
+        with pytest.raises(subprocess.TimeoutExpired):
+            launcher.run_group(["bash", "-c", script], timeout=2)
+    else:
+        assert launcher.run_group(["bash", "-c", script], timeout=30).returncode == 0
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    pytest.fail(f"child {child} (own session) outlived the launch")
