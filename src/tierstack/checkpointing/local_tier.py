@@ -263,7 +263,7 @@ class LocalTier(StagedTier):
         budget = self.cfg.quarantine_budget_bytes
         budget = int(job.job.result()) if budget is None else budget
         rank_dir, rank, run_id, step, k = self.rank_dir, self.layout.rank, job.run_id, job.step, self.cfg.most_recent_k
-        self._retain(lambda: (retention.prune_local(rank_dir, rank, run_id, step, k),
+        self._retain_when_settled(step, lambda: (retention.prune_local(rank_dir, rank, run_id, step, k),
                               retention.prune_quarantined(rank_dir, budget)), f"after step {step}")
         if self.layout.rank == 0:
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",

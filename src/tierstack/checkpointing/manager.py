@@ -337,9 +337,10 @@ class CheckpointManager:
         if tier is not None and self._last_saved[tier] != objs.train_state.step:
             self.save(tier, objs)
 
-    def _raise_if_failed(self) -> None:
-        """After saves ended (every rank, same lists): apply ``on_nonfinite`` to the saves whose staged
-        state held NaN/inf (``NonFiniteError`` with ``stop``), then ``exit_on_save_failure``."""
+    def _take_blocked(self) -> list:
+        """Every rank alike: the saves whose staged state held NaN/inf, taken from the tiers; their
+        steps recorded as blocked and vetoed in every other tier; then the retention no tier can
+        veto any more is started (:meth:`_release_retention`)."""
         blocked = []
         for handler in self._tiers.values():
             blocked += [(handler, step, ranks) for step, ranks in handler.nonfinite]
@@ -350,6 +351,20 @@ class CheckpointManager:
             for other in self._tiers.values():
                 if other is not handler:
                     other.veto(step)
+        self._release_retention()
+        return blocked
+
+    def _release_retention(self) -> None:
+        """A step is settled once no tier has a save of it (or of an earlier step) in flight."""
+        pending = [h.in_flight_step for h in self._tiers.values() if h.in_flight_step is not None]
+        settled = min(pending) - 1 if pending else None
+        for handler in self._tiers.values():
+            handler.release_retention(settled)
+
+    def _raise_if_failed(self, blocked: Optional[list] = None) -> None:
+        """After saves ended (every rank, same lists): apply ``on_nonfinite`` to the saves whose staged
+        state held NaN/inf (``NonFiniteError`` with ``stop``), then ``exit_on_save_failure``."""
+        blocked = self._take_blocked() if blocked is None else blocked
         if blocked:
             self.guard.state_blocked([(h.tier.value.upper(), step, ranks) for h, step, ranks in blocked])
         failed = {t.value: list(h.failures) for t, h in self._tiers.items() if h.failures}
@@ -390,9 +405,10 @@ class CheckpointManager:
         with self._bounded():
             for handler in self._tiers.values():
                 handler.finalize(blocking=True)
+        blocked = self._take_blocked()  # vetoes first: no retention of a step another tier blocked
         for handler in self._tiers.values():  # after the collectives: a rank deleting longer stalls no other
             handler.wait_retention()
-        self._raise_if_failed()
+        self._raise_if_failed(blocked)
 
     def close(self) -> None:
         """Collective: finalize every in-flight save and stop every writer, each tier even when
@@ -408,8 +424,9 @@ class CheckpointManager:
                     handler.close()
                 except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
                     errors.append(e)
+        blocked = self._take_blocked()  # vetoes first: no retention of a step another tier blocked
         for handler in self._tiers.values():  # after the collectives: a rank deleting longer stalls no other
             handler.close_retention()
         if errors:
             raise errors[0]
-        self._raise_if_failed()
+        self._raise_if_failed(blocked)

@@ -179,6 +179,7 @@ class StagedTier:
         self.last_durable_s: Optional[float] = None  # start of the last finalized save to its agreement
         self._retention: Optional[_WriterThread] = None  # deletes old checkpoints off the training thread
         self._retention_jobs: list[Future] = []
+        self._held_retention: list[tuple[int, Callable[[], object], str]] = []  # see _retain_when_settled
 
     def _retain(self, fn: Callable[[], object], what: str) -> None:
         """Run retention ``fn`` (deleting old checkpoints) on this tier's retention thread, after the
@@ -247,10 +248,34 @@ class StagedTier:
     def _unseal(self, step: int) -> None:  # pragma: no cover - each tier defines it
         raise NotImplementedError
 
+    def _retain_when_settled(self, step: int, fn: Callable[[], object], what: str) -> None:
+        """:meth:`_retain` for the save of ``step``, held until no other tier can still veto that
+        step (:meth:`release_retention`): retention that deleted the older checkpoints before a
+        veto removed this one would leave none."""
+        self._held_retention.append((step, fn, what))
+
+    def release_retention(self, settled_through: Optional[int]) -> None:
+        """Training thread, every rank alike: start the held retention of the steps up to
+        ``settled_through`` (None: all), that is no tier has a save of such a step in flight any
+        more; that of a vetoed step is dropped (its older checkpoints stay)."""
+        held, self._held_retention = self._held_retention, []
+        for step, fn, what in held:
+            if step in self._vetoed:
+                continue
+            if settled_through is None or step <= settled_through:
+                self._retain(fn, what)
+            else:
+                self._held_retention.append((step, fn, what))
+
+    @property
+    def in_flight_step(self) -> Optional[int]:
+        """The step of the save handed to the writer and not yet finalized; None without one."""
+        return None if self._in_flight is None else self._in_flight.step
+
     @property
     def retention_pending(self) -> bool:
-        """A retention job submitted on this rank has not ended yet (not collective)."""
-        return any(not f.done() for f in self._retention_jobs)
+        """A retention job of this rank is held or has not ended yet (not collective)."""
+        return bool(self._held_retention) or any(not f.done() for f in self._retention_jobs)
 
     def wait_retention(self, timeout_s: Optional[float] = None) -> bool:
         """Wait until every retention job submitted so far has ended, at most ``timeout_s`` seconds

@@ -146,6 +146,16 @@ class CheckpointTierHandler(Protocol):
         when a writer found NaN/inf in the staged state)."""
         ...
 
+    @property
+    def in_flight_step(self) -> Optional[int]:
+        """The step of the save in flight (not yet finalized); None without one (not collective)."""
+        ...
+
+    def release_retention(self, settled_through: Optional[int]) -> None:
+        """Start the retention held for saves of steps up to ``settled_through`` (None: all): no
+        tier can veto those steps any more. Not collective; same on every rank."""
+        ...
+
     def veto(self, step: int) -> None:
         """The non-finite guard blocked ``step`` in another tier: this tier keeps no save of it
         (in flight: discarded at finalize; sealed: removed). Not collective; same on every rank."""

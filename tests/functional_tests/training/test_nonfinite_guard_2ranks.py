@@ -68,6 +68,24 @@ def test_inf_parameter_on_rank_1_after_step_10_blocks_both_tiers_of_step_10_and_
 
 
 @pytest.mark.slow
+def test_a_replica_turning_inf_is_blocked_in_both_tiers_and_local_keeps_its_previous_step(tmp_path, torchrun):
+    """DP=2: rank 1's replica of a parameter turns inf after step 10. LOCAL writes that tensor from
+    rank 0 (finite) and seals step 10; GLOBAL, which stages every replica, blocks it and the step is
+    vetoed in LOCAL. LOCAL's retention (most_recent_k=1) is held until GLOBAL's verdict, so step 5,
+    the previous one, is still there on both ranks (found by a break-it pass: it was deleted)."""
+    run = tmp_path / "tiny"
+    proc = torchrun([WORKER, tmp_path, "train.train_iters=15", "train.eval_interval=null", *_common(run),
+                     "checkpoint.save_interval=10", "checkpoint.async_save=true", "checkpoint.most_recent_k=1"],
+                    env={"TIERSTACK_TEST_INF_PARAM_AT": "10"}, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-4000:]
+    assert "NonFiniteError: step 10: non-finite parameters or optimizer moments on rank(s) 1 (found by the GLOBAL" in log
+    assert not (run / "checkpoints").exists() or _global_steps(run) == []
+    assert all(_local_steps(run, r) == [5] for r in (0, 1)), [_local_steps(run, r) for r in (0, 1)]
+    assert all((run / "local" / str(r) / f"iter_0000005_{r}_local.manifest.json").exists() for r in (0, 1))
+
+
+@pytest.mark.slow
 def test_skip_trains_on_a_blocked_best_candidate_changes_nothing_and_the_next_clean_boundary_saves(tmp_path, torchrun):
     """A transient fault (rank 1's loss is non-finite at step 7, the state stays finite): the best
     candidate of step 9 is blocked, the regular boundary 10 and the final step 13 save; the records
