@@ -62,15 +62,23 @@ def test_integer_buffers_are_skipped_and_huge_finite_values_pass_although_their_
     check_staged([t, torch.tensor([2**62, 2**62], dtype=torch.int64), torch.tensor([True])], "huge")
 
 
+def hand_off_local_save(tier, model, opt, *, step):
+    """What ``LocalTier.save`` does after building the state: stage the Adam state into the tier's
+    buffers and hand the checked write to its writer thread (an empty header: these files are
+    never loaded). Returns the writer's future."""
+    buffers = tier._stager.stage(adam_state_tensors(model, opt))
+    job = tier._submit_checked(f"LOCAL checkpoint of step {step}", tier._write_and_seal, step, "runA",
+                               {"step": step}, b"", buffers, {})
+    tier._in_flight = _InFlight(step, "runA", 0.0, 0.0, job)
+    return job
+
+
 @pytest.mark.parametrize("when", ["in flight", "sealed"])
 def test_a_local_save_vetoed_by_the_guard_is_discarded_in_flight_or_removed_once_sealed(tmp_path, when):
     model, opt = adam_after_one_step()
     tier = LocalTier(CheckpointConfig(load=str(tmp_path / "g"), local_dir=str(tmp_path / "local")), LAYOUT)
     try:
-        buffers = tier._stager.stage(adam_state_tensors(model, opt))
-        job = tier._submit_checked("LOCAL checkpoint of step 20", tier._write_and_seal, 20, "runA", {"step": 20},
-                                   b"", buffers, {})
-        tier._in_flight = _InFlight(20, "runA", 0.0, 0.0, job)
+        job = hand_off_local_save(tier, model, opt, step=20)
         if when == "in flight":
             tier.veto(20)
         tier.finalize(blocking=True)
@@ -92,10 +100,7 @@ def test_a_local_save_of_a_non_finite_state_writes_nothing_and_is_the_guards_ver
         opt.state[model.weight]["exp_avg_sq"][0, 0] = math.inf
     tier = LocalTier(CheckpointConfig(load=str(tmp_path / "g"), local_dir=str(tmp_path / "local")), LAYOUT)
     try:
-        buffers = tier._stager.stage(adam_state_tensors(model, opt))
-        job = tier._submit_checked("LOCAL checkpoint of step 20", tier._write_and_seal, 20, "runA", {"step": 20},
-                                   b"", buffers, {})
-        tier._in_flight = _InFlight(20, "runA", 0.0, 0.0, job)
+        job = hand_off_local_save(tier, model, opt, step=20)
         tier.finalize(blocking=True)
         assert tier.failures == []
         if finite:  # the control: the same save of a finite state is sealed

@@ -55,16 +55,7 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
     script = f"sleep 120 & echo $! > {pid_file}; wait"
     with pytest.raises(subprocess.TimeoutExpired):
         launcher.run_group(["bash", "-c", script], timeout=2)
-    child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.kill(child, 9)
-    pytest.fail(f"child {child} outlived the timed-out launch")
+    _assert_gone_within_5s(int(pid_file.read_text()), "outlived the timed-out launch")
 
 
 @pytest.mark.parametrize("launcher_ends", ["by timeout", "by itself"])
@@ -79,7 +70,11 @@ def test_a_child_in_a_session_of_its_own_does_not_outlive_the_launch(tmp_path, l
             launcher.run_group(["bash", "-c", script], timeout=2)
     else:
         assert launcher.run_group(["bash", "-c", script], timeout=30).returncode == 0
-    child = int(pid_file.read_text())
+    _assert_gone_within_5s(int(pid_file.read_text()), "(own session) outlived the launch")
+
+
+def _assert_gone_within_5s(child: int, what: str) -> None:
+    """Fail (after killing it) when process ``child`` is still alive 5 s from now."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:
@@ -88,4 +83,4 @@ def test_a_child_in_a_session_of_its_own_does_not_outlive_the_launch(tmp_path, l
             return
         time.sleep(0.1)
     os.kill(child, 9)
-    pytest.fail(f"child {child} (own session) outlived the launch")
+    pytest.fail(f"child {child} {what}")
