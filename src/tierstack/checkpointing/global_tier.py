@@ -300,19 +300,14 @@ class GlobalTier(StagedTier):
         try:
             retry.agree(error)  # every rank learns every rank's cause (rank, path, errno)
             if job.step in self._vetoed:  # blocked in another tier: never published here either
-                global_writer.discard_results(job.request)
-                if _dist.rank() == 0:
-                    shutil.rmtree(job.staging, ignore_errors=True)
+                self._discard(job, results_pending=True)
                 log.error("GLOBAL checkpoint of step %d discarded on every rank: the non-finite guard blocked that "
                           "step", job.step)
                 return
             self._finalize_attempts(job)
         except retry.SaveAttemptFailed as e:
-            if error is None:
-                global_writer.discard_results(job.request)
-            nonfinite = self._nonfinite_ranks(job)
-            if _dist.rank() == 0:
-                shutil.rmtree(job.staging, ignore_errors=True)
+            nonfinite = self._nonfinite_ranks(job)  # (a collective: before rank 0's deletion, as every rank)
+            self._discard(job, results_pending=error is None)
             if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
                 self.nonfinite.append((job.step, nonfinite))
                 return
@@ -322,6 +317,16 @@ class GlobalTier(StagedTier):
             return
         self.last_durable_s = time.perf_counter() - job.started
         self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0, job.train_state)
+
+    @staticmethod
+    def _discard(job: _InFlight, *, results_pending: bool) -> None:
+        """Drop a save that will not be published, on every rank: this rank's write results
+        (``results_pending``: its writer succeeded, so megatron's queue still holds them) and, on
+        rank 0, the staging directory."""
+        if results_pending:
+            global_writer.discard_results(job.request)
+        if _dist.rank() == 0:
+            shutil.rmtree(job.staging, ignore_errors=True)
 
     def _finalize_attempts(self, job: _InFlight) -> None:
         """Collective: megatron's finalize, seal and publish, retried together on a transient error."""

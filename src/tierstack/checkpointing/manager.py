@@ -290,7 +290,9 @@ class CheckpointManager:
             return None
         t0 = time.perf_counter()
         self._train_state = objs.train_state
-        handler.finalize(blocking=True)  # the save before: a block or failure it reports comes first
+        # The save before publishes first (its records are a best-records base), and a block or
+        # failure it reports is applied before anything of this one is staged.
+        handler.finalize(blocking=True)
         self._raise_if_failed()
         if not self.guard.check(step).ok:
             if not self.blocked_steps or self.blocked_steps[-1] != step:
@@ -310,9 +312,7 @@ class CheckpointManager:
         """Save with the best records committed into the TrainState this save captures. The live
         TrainState keeps the previous records until a persistent save of them is published
         (:meth:`_notify`), so a save that fails or is still in flight leaves them unchanged."""
-        ts = objs.train_state
-        if handler.persistent:
-            handler.finalize(blocking=True)  # the previous save publishes first: its records are the base
+        ts = objs.train_state  # (_save finalized this tier's previous save: its records are the base)
         previous = [list(r) for r in ts.best_checkpoints]
         ts.best_checkpoints = self.best.records_for(ts.step, previous)
         try:

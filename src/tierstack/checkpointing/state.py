@@ -150,8 +150,8 @@ def build(objs: TrainingObjects, *, is_loading: bool, optim: bool, rng: bool) ->
     return sd
 
 
-def zero_padding(tree: Any) -> int:
-    """Zero the padding shards of a DistributedOptimizer's sharded state dict; returns how many.
+def zero_padding(tree: Any) -> None:
+    """Zero the padding shards of a DistributedOptimizer's sharded state dict (in place).
 
     megatron-core's ``dp_reshardable`` format covers the gaps between parameters in its buffers
     (a parameter's size not a multiple of the bucket alignment) with ``torch.empty`` tensors of
@@ -164,20 +164,19 @@ def zero_padding(tree: Any) -> int:
     """
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 
-    count = 0
     if isinstance(tree, dict):
         flag = tree.get("padding")
         if isinstance(flag, LocalNonpersistentObject) and flag.obj is True:
             for v in tree.values():
                 if isinstance(v, ShardedTensor) and v.data is not None:
                     v.data.zero_()
-                    count += 1
-        values = tree.values()
+        children = tree.values()
     elif isinstance(tree, (list, tuple)):
-        values = tree
+        children = tree
     else:
-        return 0
-    return count + sum(zero_padding(v) for v in values if isinstance(v, (dict, list, tuple)))
+        return
+    for v in children:
+        zero_padding(v)
 
 
 @torch.no_grad()  # a DistributedOptimizer's fp32 main params are views of leaves that require grad
