@@ -11,6 +11,7 @@ known_warnings.install_import_filters()
 
 from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer  # noqa: E402
 from tierstack.runtime.fusions import fusion_flags  # noqa: E402
+from tierstack.runtime import jit_fuser  # noqa: E402
 from tierstack.runtime.distributed import (  # noqa: E402
     ParallelLayout,
     current_layout,
@@ -29,6 +30,7 @@ from tierstack.runtime.distributed import (  # noqa: E402
 
 if not has_gpu():
     known_warnings.install_cpu_filters()
+    jit_fuser.install_cpu_hook()  # megatron-core's fused kernels are off on a CPU: skip torch.compile's import
 
 __all__ = [
     "copy_to_host",
