@@ -5,10 +5,10 @@ Layout under ``checkpoint.local_dir`` (beside the rank folders)::
     replicas/<owner>/iter_0000020_<owner>_local.pt              the owner's file, byte for byte
     replicas/<owner>/iter_0000020_<owner>_local.manifest.json   the owner's manifest
 
-- :func:`replicate_step` (in the LOCAL tier's finalize, once every rank wrote the step): each rank
-  sends its file to its clique (:class:`~tierstack.checkpointing.replication.Replicator`), checks
-  every received copy against its owner's CRC-32C and writes it; the step is sealed only when every
-  rank stored every replica.
+- :func:`exchange_step` (on the LOCAL writer thread right after the write on CPU; in the LOCAL
+  finalize on GPU, :func:`replicate_step`): each rank sends its file to its clique
+  (:class:`~tierstack.checkpointing.replication.Replicator`), checks every received copy against
+  its owner's CRC-32C and writes it; the step is sealed only when every rank stored every replica.
 - :func:`retrieve_for_resume` (before resume selection): the ranks gather what each holds, agree on
   the newest step that *every* rank can obtain (its own file, or a copy on a member of its clique),
   and the ranks missing their file of that step receive it from a member that holds it. A received
@@ -117,37 +117,73 @@ class ReplicaStore:
                 retention.prune_local(self.folder(owner), owner, run_id, step, k)
 
 
-def replicate_step(replicator: Replicator, store: ReplicaStore, step: int, run_id: str, k: int) -> bool:
-    """Collective: replicate this rank's (written, not yet sealed) file of ``step`` to its clique.
+class ReplicationError(Exception):
+    """This rank's part of a LOCAL step's replication failed: its own file could not be read back,
+    or a received replica was damaged or could not be written (the message says which)."""
+
+
+def exchange_step(replicator: Replicator, store: ReplicaStore, step: int, *, have_file: bool = True) -> float:
+    """Collective over this rank's clique: send this rank's (written, not yet sealed) file of ``step``
+    to the other members, and check (owner's CRC-32C) and store durably every member's file received.
+
+    Every member must call it for every save, even one whose write failed (``have_file`` False:
+    nothing is sent, the others refuse the empty copy), so the exchanges of the clique stay paired.
+    It runs on the LOCAL writer thread on CPU (the clique groups are gloo's, used by no other thread
+    while training) and in the LOCAL finalize on GPU (:func:`replicate_step`).
 
     Returns:
-        True when every replica of the step is stored on every rank (the step may be sealed); on
-        False every rank has removed the replicas of the step it wrote.
+        Seconds the exchange and the stores took.
+
+    Raises:
+        ReplicationError: this rank's part failed (its file unreadable, a received copy damaged or
+            not written). The replicas of ``step`` this rank did store stay until the caller removes them.
+        CollectiveError: the exchange itself failed (a member gone or hung).
     """
-    ok = True
-    ckpt, man_path = store.paths(step, store.rank)
-    man = paths.read_json(man_path)
-    try:
-        (name, entry), = man["files"].items()
-        data = local_file.read_verified(ckpt, entry)
-    except (OSError, TypeError, KeyError, local_file.LocalFileError) as e:
-        log.error("LOCAL step %d: this rank's file cannot be read back to replicate it (%s)", step, e)
-        ok, man, data = False, man or {}, torch.empty(0, dtype=torch.uint8)
     t0 = time.perf_counter()
-    received = replicator.replicate(step, man, data)  # every rank takes part, even with nothing to send
+    problems = []
+    ckpt, man_path = store.paths(step, store.rank)
+    man, data = {}, torch.empty(0, dtype=torch.uint8)
+    if have_file:
+        man = paths.read_json(man_path) or {}
+        try:
+            (name, entry), = man["files"].items()
+            data = local_file.read_verified(ckpt, entry)
+        except (OSError, TypeError, KeyError, ValueError, local_file.LocalFileError) as e:
+            problems.append(f"this rank's file cannot be read back to replicate it ({e})")
+            man, data = {}, torch.empty(0, dtype=torch.uint8)
+    received = replicator.replicate(step, man, data)  # every member takes part, even with nothing to send
     for replica in received:
         try:
             store.store(replica)
         except (OSError, KeyError, ValueError) as e:  # LocalFileError is a ValueError
-            log.error("LOCAL step %d: replica of rank %d not stored (%s)", step, replica.owner, e)
-            ok = False
+            problems.append(f"replica of rank {replica.owner} not stored ({e})")
+    if problems:
+        raise ReplicationError(f"LOCAL step {step} on rank {store.rank}: " + "; ".join(problems))
+    return time.perf_counter() - t0
+
+
+def replicate_step(replicator: Replicator, store: ReplicaStore, step: int) -> bool:
+    """Collective over the job, in the LOCAL finalize (the GPU path): :func:`exchange_step`, then the
+    ranks agree on it.
+
+    Returns:
+        True when every replica of the step is stored on every rank (the step may be sealed; the
+        caller runs the replicas' retention once the step is settled); on False every rank has
+        removed the replicas of the step it stored.
+    """
+    ok = True
+    seconds = 0.0
+    try:
+        seconds = exchange_step(replicator, store, step)
+    except ReplicationError as e:
+        log.error("%s", e)
+        ok = False
     if not _dist.all_true(ok):
         store.remove_replicas(step, replicator.clique)
         return False
-    store.prune(replicator.clique, run_id, step, k)
     if _dist.rank() == 0:
         log.info("LOCAL checkpoint of step %d replicated (factor %d, cliques of ranks %s apart) in %.2fs",
-                 step, replicator.factor, replicator.jump, time.perf_counter() - t0)
+                 step, replicator.factor, replicator.jump, seconds)
     return True
 
 

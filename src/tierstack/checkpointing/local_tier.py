@@ -83,6 +83,14 @@ class LocalTier(StagedTier):
             jump = cfg.replication_jump or parallel_layout.ranks_per_node
             self._replicator = Replicator(cfg.replication_factor, jump, parallel_layout.rank, parallel_layout.world_size)
             self._replicas = local_replicas.ReplicaStore(self.root, parallel_layout.rank)
+        # On CPU the clique exchange runs on the writer thread right after the write (gloo groups
+        # no other thread uses while training), so a step is replicated about when it is written
+        # and the loop never waits for it. On GPU it stays in finalize, on the training thread:
+        # NCCL collectives issued from two threads on different communicators can deadlock.
+        from tierstack import runtime
+
+        self._exchange_on_writer = self._replicator is not None and not runtime.has_gpu()
+        self._replicated_s: Optional[float] = None  # this rank's last exchange on the writer (seconds)
 
     @property
     def enabled(self) -> bool:
@@ -139,8 +147,12 @@ class LocalTier(StagedTier):
                  "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
                  **model_settings.model_settings(objs.model),
                  **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
+        then = None
+        if self._exchange_on_writer:
+            _ = self._replicator.strategy  # its clique groups are created here, collectively, on this thread
+            then = lambda wrote: self._exchange_on_writer_thread(step, wrote)  # noqa: E731
         job = self._submit_checked(f"LOCAL checkpoint of step {step}", self._write_and_seal, step, run_id,
-                                   captured, staged["header"], staged["buffers"], extra)
+                                   captured, staged["header"], staged["buffers"], extra, then=then)
         blocked = time.perf_counter() - t0
         self._in_flight = _InFlight(step, run_id, t0, blocked, job)
         if self.layout.rank == 0:
@@ -196,6 +208,29 @@ class LocalTier(StagedTier):
                 time.sleep(c.retry_backoff_s * 2 ** (n - 1))
         raise AssertionError("unreachable")
 
+    def _exchange_on_writer_thread(self, step: int, wrote: bool) -> None:
+        """Writer thread, after this rank's write of ``step`` (``wrote``: it succeeded): this rank's
+        part of the clique exchange (:func:`local_replicas.exchange_step`). A failure fails the
+        save when the write succeeded; after a failed write it is only logged (the write's error
+        is the save's outcome, and the exchange ran so that the other members were not left waiting)."""
+        self._replicated_s = None
+        try:
+            self._replicated_s = local_replicas.exchange_step(self._replicator, self._replicas, step, have_file=wrote)
+        except Exception as e:  # noqa: BLE001 - ReplicationError, CollectiveError
+            if wrote:
+                raise
+            log.error("LOCAL step %d: rank %d's replication exchange after its failed write: %s", step,
+                      self.layout.rank, errors.describe(e))
+
+    def _remove_replicas(self, step: int, what: str) -> None:
+        """The replicas of ``step`` this rank stored for its clique are removed (logged on failure)."""
+        if self._replicator is None:
+            return
+        try:
+            self._replicas.remove_replicas(step, self._replicator.clique)
+        except OSError as e:
+            log.error("LOCAL replicas of %s step %d on rank %d not removed: %s", what, step, self.layout.rank, e)
+
     def _owner(self, step: int) -> Optional[str]:
         """The run id in this rank's manifest of ``step``; None when there is no manifest."""
         man = paths.read_json(self._paths(step)[1])
@@ -241,14 +276,22 @@ class LocalTier(StagedTier):
             reason, nonfinite = str(e), self._nonfinite_ranks(job)
         if reason is None and job.step in self._vetoed:  # blocked in another tier: not kept here either
             self._discard_step(job.step, job.run_id)
+            self._remove_replicas(job.step, "blocked")
             log.error("LOCAL checkpoint of step %d discarded on every rank: the non-finite guard blocked that step",
                       job.step)
             return
-        if reason is None and self._replicator is not None and not local_replicas.replicate_step(
-                self._replicator, self._replicas, job.step, job.run_id, self.cfg.most_recent_k):
-            reason = "replication to the other nodes failed on some rank"
+        if reason is None and self._replicator is not None:
+            if self._exchange_on_writer:  # exchanged by the writers: the agreement above covered it
+                if self.layout.rank == 0 and self._replicated_s is not None:
+                    log.info("LOCAL checkpoint of step %d replicated by the writer (factor %d, cliques of ranks %s "
+                             "apart) in %.2fs", job.step, self._replicator.factor, self._replicator.jump,
+                             self._replicated_s)
+            elif not local_replicas.replicate_step(self._replicator, self._replicas, job.step):
+                reason = "replication to the other nodes failed on some rank"
         if reason is not None:
             self._discard_step(job.step, job.run_id)
+            if self._exchange_on_writer:
+                self._remove_replicas(job.step, "failed")
             if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
                 self.nonfinite.append((job.step, nonfinite))
                 return
@@ -263,8 +306,10 @@ class LocalTier(StagedTier):
         budget = self.cfg.quarantine_budget_bytes
         budget = int(job.job.result()) if budget is None else budget
         rank_dir, rank, run_id, step, k = self.rank_dir, self.layout.rank, job.run_id, job.step, self.cfg.most_recent_k
+        replicas = (lambda: None) if self._replicator is None else (
+            lambda: self._replicas.prune(self._replicator.clique, run_id, step, k))
         self._retain_when_settled(step, lambda: (retention.prune_local(rank_dir, rank, run_id, step, k),
-                              retention.prune_quarantined(rank_dir, budget)), f"after step {step}")
+                              replicas(), retention.prune_quarantined(rank_dir, budget)), f"after step {step}")
         if self.layout.rank == 0:
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
                      job.step, self.root, job.blocked_s, self.last_durable_s)
@@ -273,11 +318,7 @@ class LocalTier(StagedTier):
         """This rank's sealed files of ``step`` (and the replicas it holds of it) are removed: the
         guard blocked the step (:meth:`veto`)."""
         self._discard_step(step, self._run_id)
-        if self._replicator is not None:
-            try:
-                self._replicas.remove_replicas(step, self._replicator.clique)
-            except OSError as e:
-                log.error("LOCAL replicas of blocked step %d on rank %d not removed: %s", step, self.layout.rank, e)
+        self._remove_replicas(step, "blocked")
         self.sealed.remove(step)
         log.error("LOCAL checkpoint of step %d removed on rank %d: the non-finite guard blocked that step",
                   step, self.layout.rank)

@@ -197,18 +197,31 @@ class StagedTier:
             self._retention = _WriterThread(f"tierstack-{self._stager.name}-retention")
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [self._retention.submit(job)]
 
-    def _submit_checked(self, what: str, fn: Callable, *args, **kwargs) -> Future:
+    def _submit_checked(self, what: str, fn: Callable, *args, then: Optional[Callable[[bool], None]] = None,
+                        **kwargs) -> Future:
         """Hand ``fn(*args, **kwargs)`` to the writer thread behind the non-finite check of the
         buffers just staged (:func:`~tierstack.checkpointing.nonfinite_guard.check_staged`): a
         non-finite state raises ``NonFiniteStateError`` there and ``fn`` never runs, so nothing
-        of it is written. The check reads the state once more (0.1 s per GiB here), off the loop."""
+        of it is written. The check reads the state once more (0.1 s per GiB here), off the loop.
+
+        ``then(ok)``, when given, runs on the writer thread after ``fn`` whatever happened (``ok``:
+        the check passed and ``fn`` returned): for a step every rank must take part in, such as
+        LOCAL replication's exchange. With ``ok`` False it must not raise (the first error is the
+        save's outcome); with ``ok`` True an error it raises fails the save."""
         from tierstack.checkpointing.nonfinite_guard import check_staged
 
         buffers = self._stager.buffers
 
         def checked():
-            check_staged(buffers, what)
-            return fn(*args, **kwargs)
+            ok = False
+            try:
+                check_staged(buffers, what)
+                out = fn(*args, **kwargs)
+                ok = True
+            finally:
+                if then is not None:
+                    then(ok)
+            return out
 
         return self._stager.submit(checked)
 

@@ -15,7 +15,10 @@ With ``TIERSTACK_TEST_HANG_AT=<step>`` and ``TIERSTACK_TEST_HANG_RANK=<rank>`` t
 there instead (sleeps; a hung rank), in the first start only.
 Before that, every rank waits for the checkpoint saves in flight (``CheckpointManager.wait``, a
 collective): the node dies after the LOCAL save before it is sealed on every rank, whatever the speed
-of this machine (on a fast one, a save's agreement can come a few steps after it started).
+of this machine (on a fast one, a save's agreement can come a few steps after it started). With
+``TIERSTACK_TEST_KILL_UNSEALED=1`` each rank waits only for its own LOCAL writer of the save in
+flight instead (``on_step`` runs before the step's own saves: the LOCAL save of the step before):
+the node dies with that step written (and replicated) but never sealed.
 """
 
 import json
@@ -53,6 +56,7 @@ def main() -> None:
     kill_node = int(os.environ.get("TIERSTACK_TEST_KILL_NODE", "-1"))
     hang_at = int(os.environ.get("TIERSTACK_TEST_HANG_AT", "0"))
     hang_rank = int(os.environ.get("TIERSTACK_TEST_HANG_RANK", "-1"))
+    unsealed = os.environ.get("TIERSTACK_TEST_KILL_UNSEALED") == "1"
     record = open(out / f"losses_rank{rank}.jsonl", "a")
     managers = []
     from tierstack.checkpointing import manager as manager_module
@@ -70,7 +74,15 @@ def main() -> None:
         record.write(json.dumps({"launch": launch, "restart": restart, "step": ts.step,
                                  "loss": float(result.loss).hex()}) + "\n")
         record.flush()
-        if ts.step in (kill_at, hang_at) and restart == 0:
+        if ts.step in (kill_at, hang_at) and restart == 0 and unsealed:
+            # Each rank waits for its own LOCAL writer (write, then the replication exchange) and no
+            # more: the step is written everywhere and was never agreed on (sealed) by any rank.
+            from tierstack.checkpointing.types import CheckpointTier
+
+            in_flight = managers[-1]._tiers[CheckpointTier.LOCAL]._in_flight  # (saved after the last on_step)
+            in_flight.job.exception()
+            print(f"rank {rank}: LOCAL writer of step {in_flight.step} ended, step not sealed", flush=True)
+        elif ts.step in (kill_at, hang_at) and restart == 0:
             managers[-1].wait()  # collective: every rank
         if ts.step == hang_at and rank == hang_rank and restart == 0:
             print(f"HANGING rank {rank} after step {ts.step}", flush=True)

@@ -87,3 +87,42 @@ def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_mis
     after = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and "local" in p.parts)
     assert after == before and not any(".invalid-" in p for p in after)  # no good file renamed
     assert any(p.endswith("iter_0000010_0_local.pt") for p in after)
+
+
+@pytest.mark.slow
+def test_a_step_replicated_by_the_writers_survives_a_node_lost_before_it_was_sealed(tmp_path):
+    """The clique exchange runs on the LOCAL writer right after the write (CPU), not at the next
+    agreement: node 1 dies after step 11, with step 10's writers ended on both ranks and no rank
+    having sealed step 10 (that agreement comes after step 11); its disk is wiped, and the relaunch still resumes from step 10 (rank 1's file from the
+    replica on node 0). With the exchange at the agreement, no replica of 10 existed yet: step 5."""
+    proc, log = _launch(tmp_path, "unsealed", "checkpoint.replication_factor=2",
+                        env={"TIERSTACK_TEST_KILL_AT": "11", "TIERSTACK_TEST_KILL_NODE": "1",
+                             "TIERSTACK_TEST_KILL_UNSEALED": "1"})
+    assert proc.returncode != 0, log[-5000:]
+    assert "rank 1: LOCAL writer of step 10 ended, step not sealed" in log, log[-5000:]
+    assert "LOCAL checkpoint of step 10 sealed" not in log
+    node_dir = Path(re.search(r"KILLING node 1 rank 1 after step 11; local_dir=(\S+)", log).group(1)).parent
+    assert list((tmp_path / "run").glob("node*/local/replicas/1/iter_0000010_1_local.pt")), log[-8000:]  # on node 0
+    shutil.rmtree(node_dir)
+    proc, log = _launch(tmp_path, "resumed", "checkpoint.replication_factor=2")
+    assert proc.returncode == 0, log[-5000:]
+    assert "LOCAL step 10 of rank 1 retrieved from rank 0:" in log
+    assert "FINAL step=12 resumed_from=[10]" in log
+
+
+
+@pytest.mark.slow
+def test_a_write_failing_on_one_rank_fails_the_replicated_step_everywhere_without_a_hang(tmp_path):
+    """Rank 1 cannot write its LOCAL file (its folder is a file): its writer still takes part in the
+    clique exchange, sending nothing; rank 0 refuses the empty copy. Every rank agrees the step
+    failed, no replica of it stays, and training goes on to the end (GLOBAL save at the end)."""
+    blocked = tmp_path / "run" / "node1" / "local" / "1"
+    blocked.parent.mkdir(parents=True)
+    blocked.write_text("not a folder")
+    proc, log = _launch(tmp_path, "blocked", "checkpoint.replication_factor=2", "train.train_iters=6")
+    assert proc.returncode == 0, log[-5000:]
+    assert "LOCAL checkpoint of step 5 NOT saved" in log, log[-5000:]
+    assert "LOCAL write of step 5 failed on rank 1" in log
+    assert "LOCAL checkpoint of step 5 sealed" not in log and "FINAL step=6" in log
+    assert not list((tmp_path / "run").glob("node*/local/replicas/*/iter_0000005_*"))
+    assert not list((tmp_path / "run").glob("node0/local/0/iter_0000005_*"))  # rank 0's own file removed
