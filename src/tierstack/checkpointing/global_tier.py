@@ -76,10 +76,9 @@ class GlobalTier(StagedTier):
         self.load_root = Path(load) if load else None
         self._reader = GlobalReader(cfg, parallel_layout)
         self._on_publish = on_publish
-        self._warmup = None
         self.published: list[int] = []  # steps this process published
         if self.save_root is not None:
-            self._prewarm_writer()
+            global_writer.start_results_channel()  # an in-process queue, not megatron's Manager process
 
     @property
     def enabled(self) -> bool:
@@ -106,36 +105,6 @@ class GlobalTier(StagedTier):
         return list(self.published)
 
     # ------------------------------------------------------------------ strategies
-    def _prewarm_writer(self) -> None:
-        """Start the torch_dist writer's result channel in the background, at setup.
-
-        Both sync and async torch_dist saves report write results through a spawned multiprocessing
-        Manager; its server process imports torch when it first unpickles a result (~5 s on 2 CPU
-        cores). A thread pays that now; the first save joins it instead of paying it inline. The
-        Manager is ours (megatron-core's, started on first use, would outlive a killed rank).
-        """
-        import threading
-
-        def warm():
-            from torch.distributed.checkpoint.metadata import MetadataIndex
-
-            try:
-                q = global_writer.start_results_channel()  # megatron's queue, in a Manager that ends with this rank
-                q.put(MetadataIndex("tierstack-warmup"))  # makes the server import torch.distributed.checkpoint
-                q.get()
-            except (OSError, EOFError) as e:  # the Manager went away (the process is being stopped)
-                # Only a head start for the first save, which starts the Manager itself if needed:
-                # a failure here is not worth a thread traceback on the way out.
-                log.debug("checkpoint writer warm-up stopped: %r", e)
-
-        self._warmup = threading.Thread(target=warm, name="tierstack-ckpt-warmup", daemon=True)
-        self._warmup.start()
-
-    def _wait_warm(self) -> None:
-        if self._warmup is not None:
-            self._warmup.join()
-            self._warmup = None
-
     def _save_strategy(self):
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -156,7 +125,6 @@ class GlobalTier(StagedTier):
         if self.save_root is None:
             return None
         c = self.cfg
-        self._wait_warm()
         t0 = time.perf_counter()
         self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
         step = objs.train_state.step
@@ -417,16 +385,8 @@ class GlobalTier(StagedTier):
 
     def close(self) -> None:
         """Collective: publish (or fail) the save in flight, stop the writer, free the buffers, and
-        stop the writer's result channel (a multiprocessing Manager that would otherwise be joined
-        at interpreter exit)."""
-        # A warm-up still talking to the Manager when the process exits dies with EOFError.
-        warm, self._warmup = self._warmup, None
+        drop the writer's result queue."""
         try:
             super().close()
         finally:
-            if warm is not None:
-                warm.join(timeout=_WARMUP_JOIN_S)
-                global_writer.shutdown_results_channel()
-
-
-_WARMUP_JOIN_S = 60.0
+            global_writer.shutdown_results_channel()

@@ -16,9 +16,12 @@ step faults on every page of weights and Adam state it updates. What megatron al
   the request's results queue, is what ``write_preloaded_data_multiproc`` does without the forks.
   megatron's own finalize (gathering the write results, the ``.metadata`` file) then runs unchanged.
 
-The write results still travel through megatron's results queue, served by a spawned
-multiprocessing Manager; :func:`start_results_channel` starts that Manager ourselves so that it
-exits when its rank dies (and :func:`shutdown_results_channel` stops it at close).
+The write results travel through megatron's module-level results queue, which megatron creates as
+a queue served by a spawned multiprocessing Manager: a process per rank that imports torch when it
+first unpickles a result (about 5 s of CPU on this machine, at every start and restart), outlives a
+killed rank unless watched, and dies on a job-wide SIGTERM that the rank turns into a planned exit
+that still needs it. Since every write here runs on a thread of the rank itself, the queue only
+ever crosses threads: :func:`start_results_channel` puts a plain ``queue.Queue`` in its place.
 """
 
 from __future__ import annotations
@@ -121,58 +124,20 @@ def discard_results(request) -> None:
         pass
 
 
-def _exit_when_orphaned() -> None:
-    """Initializer of the results Manager's server process: exit once the rank that started it is
-    gone (SIGKILL, OOM killer), which cannot shut it down; it would serve forever, holding the
-    launcher's output pipes open. A thread polls the parent pid once a second.
-
-    Not ``prctl(PR_SET_PDEATHSIG)``: that signal follows the *thread* that started the process, and
-    the Manager is started by a short-lived warm-up thread.
-
-    It also ignores SIGTERM and SIGINT: a scheduler's pre-emption notice (SLURM, ``timeout``, a
-    Ctrl-C) goes to every process of the job, and the rank turns it into a planned exit whose GLOBAL
-    save still needs this server; it ends with its rank (shutdown, or orphaned) instead.
-    """
-    import os
-    import signal
-    import threading
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="tierstack-orphan-watch", daemon=True).start()
-
-
-def start_results_channel():
-    """megatron-core's write-results queue, served by a Manager that exits when its rank dies."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
+def start_results_channel() -> "queue.Queue":
+    """megatron-core's write-results queue (``filesystem_async._results_queue``), set to an
+    in-process ``queue.Queue`` before megatron would start its Manager for it (see the module
+    docstring). Idempotent; a Manager-served queue left by other code is replaced (results of a
+    save are read by the finalize of the same save, so nothing pending is lost at a tier's start)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=_exit_when_orphaned)
-        filesystem_async._results_queue = manager.Queue()
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
     return filesystem_async._results_queue
 
 
 def shutdown_results_channel() -> None:
-    """Stop megatron-core's torch_dist result-queue Manager process, if one was started."""
+    """Drop megatron-core's write-results queue (the next GLOBAL tier starts a fresh one)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    q = getattr(filesystem_async, "_results_queue", None)
-    manager = getattr(q, "_manager", None)
     filesystem_async._results_queue = None
-    if manager is not None:
-        try:
-            manager.shutdown()
-        except Exception as e:  # noqa: BLE001 - already gone
-            log.debug("writer result channel shutdown: %s", e)

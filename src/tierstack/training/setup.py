@@ -161,7 +161,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
         pretrained_source=functools.partial(pretrained_root, cfg),  # a Hugging Face directory is imported
     )
     # Closed before the mlflow run ends (the final save's listener logs to it) and before the
-    # process groups go away; closing joins the GLOBAL writer's warm-up and stops its result Manager.
+    # process groups go away; closing drops the GLOBAL writer's result queue.
     register(stack, "checkpoint manager", ckpt.close)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     resume_info = ckpt.resume(objs)

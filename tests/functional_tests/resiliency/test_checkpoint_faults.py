@@ -91,7 +91,7 @@ def _kill_launch(fault_dir: Path) -> None:
 
 
 def _assert_nothing_left(fault_dir: Path) -> None:
-    deadline = time.monotonic() + 10  # a Manager notices its dead rank within a second or two
+    deadline = time.monotonic() + 10  # the launcher reaps what is left of a dead rank within seconds
     while (left := _launch_processes(fault_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     info = [(p.pid, " ".join(p.cmdline())[:120]) for p in left]

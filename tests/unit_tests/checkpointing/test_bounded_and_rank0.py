@@ -1,5 +1,5 @@
 """Issue 10: checkpoint collectives are bounded in time, and megatron-core's rank-0-only writes
-fail after its collectives. Real gloo process groups (file store, no port), real megatron-core
+fail after its collectives; the GLOBAL writer's results travel through an in-process queue. Real gloo process groups (file store, no port), real megatron-core
 ``dist_checkpointing.save`` and real files."""
 
 import errno
@@ -123,6 +123,7 @@ def test_transient_rank0_metadata_error_reruns_only_the_failed_write(gloo_group,
     from megatron.core.dist_checkpointing.strategies import common
 
     rank0_phases.install()
+    global_writer.start_results_channel()  # as the GLOBAL tier does before its first save
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
@@ -164,3 +165,39 @@ def test_local_replication_with_a_missing_clique_member_fails_within_the_collect
     kind, seconds = _rank0_outcome(tmp_path, _prepare_replication, timeout=150)
     assert kind == "CollectiveError", (kind, seconds)
     assert seconds < 30, seconds
+
+
+def test_a_torch_dist_save_reports_through_an_in_process_queue_and_starts_no_process(gloo_group, tmp_path):
+    """The GLOBAL writer's results reach megatron-core's finalize through an in-process queue: a
+    real torch_dist save starts no process, and loads back. megatron-core would serve that queue
+    from a spawned multiprocessing Manager: a process per rank importing torch at each start,
+    outliving a killed rank, and dying on a job-wide SIGTERM that the rank turns into a planned exit
+    whose GLOBAL save still needed it (found by a break-it pass)."""
+    import queue
+
+    import psutil
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    global_writer.shutdown_results_channel()
+    channel = global_writer.start_results_channel()
+    assert isinstance(channel, queue.Queue) and global_writer.start_results_channel() is channel
+    assert filesystem_async._get_write_results_queue() is channel  # megatron starts no Manager now
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    try:
+        request = dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))},
+                                          str(ckpt), async_sharded_save=True)
+        assert request.async_fn_args[2] is channel
+        global_writer.write_request(request, ckpt, attempts=1, backoff_s=0.0)  # our writer, this process
+        for fn in request.finalize_fns:  # megatron's finalize reads the results from the channel
+            fn()
+        assert channel.empty()
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+    finally:
+        global_writer.shutdown_results_channel()
+    assert filesystem_async._results_queue is None
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, str(ckpt))
+    assert torch.equal(loaded["w"], torch.arange(8.0))
