@@ -21,8 +21,9 @@ iterations (no checkpoints) gives the reference time. Printed side by side, one 
 configuration: wall time, goodput (failure-free time / wall time), failures, iterations lost per
 failure (last step before the kill minus the step resumed from), seconds from a failure to the
 first new step, and the tier each restart resumed from. A configuration that has not finished
-after ``--timeout-factor`` times the failure-free time is stopped (rc -9; without checkpoints a run
-whose failures come faster than it can finish never does).
+after ``--timeout-factor`` times the failure-free time is stopped (rc -9); ``none`` already at
+``NONE_LIMIT_FACTOR`` times it: without checkpoints every failure starts the run over, so a run
+whose failures come faster than it can finish never does, and longer only costs bench time.
 
 ``--global-every auto`` puts about two GLOBAL saves in each fault interval (in whole LOCAL
 intervals); LOCAL saves every 5 iterations (``auto``: Young/Daly with ``checkpoint.mtbf_s`` set to
@@ -59,6 +60,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_EVERY = 5  # LOCAL interval of the fixed-interval configurations (iterations)
 NAMES = ("none", "global", "local_global", "replicated", "auto")
+NONE_LIMIT_FACTOR = 2.0  # ``none`` is stopped at this many failure-free times (see the module docstring)
 
 
 def configs(global_every: int) -> dict:
@@ -150,13 +152,16 @@ def _run(name: str, extra: list[str], args, work: Path, faults: bool, injector=N
     else:
         injector = threading.Thread(target=_inject, args=(run, args.fault_every_s, random.Random(args.seed),
                                                           name == "replicated", stop, kills), daemon=True)
+    limit_s = args.limit_s
+    if name == "none" and limit_s is not None and args.reference_s is not None:
+        limit_s = min(limit_s, NONE_LIMIT_FACTOR * args.reference_s)
     t0 = time.time()
     with open(run / "launch.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
         if faults:
             injector.start()
         try:
-            rc = proc.wait(timeout=args.limit_s)
+            rc = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:  # SIGTERM first: the agents then stop their ranks (own sessions)
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -249,7 +254,7 @@ def main() -> None:
     p.add_argument("--timeout-factor", type=float, default=3.0)
     p.add_argument("--work-dir", default=None)
     args = p.parse_args()
-    args.limit_s = None
+    args.limit_s = args.reference_s = None
     work = Path(args.work_dir or f"/tmp/bench_goodput.{os.getpid()}")
     names = [c for c in args.configs.split(",") if c]
     unknown = set(names) - set(NAMES)
@@ -270,7 +275,7 @@ def main() -> None:
     print(f"fault every {args.fault_every_s:.0f}s, {args.iterations} iterations per configuration; "
           f"expected total about {estimate / 60:.0f} min", flush=True)
     reference = _run("failure_free", [], args, work, faults=False)
-    args.limit_s = args.timeout_factor * reference["wall"]
+    args.limit_s, args.reference_s = args.timeout_factor * reference["wall"], reference["wall"]
     print(f"== goodput: gpt_tiny TP=1 on 2 simulated nodes x 1 rank, {args.iterations} iterations, a rank killed every "
           f"{args.fault_every_s:g}s (seed {args.seed}); LOCAL every {LOCAL_EVERY}, GLOBAL every {global_every}")
     print(f"failure-free: {reference['wall']:.1f}s (rc {reference['rc']}); work dir {work}")
