@@ -15,13 +15,13 @@ restart time leaves no progress at all); ``--iterations auto`` runs long enough 
 Each configuration runs the main job's model (gpt_tiny, TP=1 on 2 simulated nodes x 1 rank, micro batch 4 so the global batch of 8 is the main job's, on
 mock data so that no rank preprocesses a corpus,
 ``scripts/launch_nodes.sh --max-restarts 50``) for ``--iterations`` iterations while a seeded fault
-injector SIGKILLs a random rank every ``--fault-every-s`` seconds of the run; in ``replicated`` it
-also wipes that rank's node-local directory (a replaced node). A failure-free run of the same
+injector SIGKILLs a random rank every ``--fault-every-s`` seconds of the run, until the last
+iteration is done; in ``replicated`` it also wipes that rank's node-local directory (a replaced node). A failure-free run of the same
 iterations (no checkpoints) gives the reference time. Printed side by side, one row per
 configuration: wall time, goodput (failure-free time / wall time), failures, iterations lost per
 failure (last step before the kill minus the step resumed from), seconds from a failure to the
 first new step, and the tier each restart resumed from. A configuration that has not finished
-after ``--timeout-factor`` times the failure-free time is stopped (rc -9); ``none`` already at
+after ``--timeout-factor`` times the failure-free time is stopped (rc -9, goodput ``-``); ``none`` already at
 ``NONE_LIMIT_FACTOR`` times it: without checkpoints every failure starts the run over, so a run
 whose failures come faster than it can finish never does, and longer only costs bench time.
 
@@ -116,8 +116,24 @@ def worker(out: Path, overrides: list[str]) -> None:
     pretrain(cfg, on_step=on_step)
 
 
-def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: threading.Event, kills: list) -> None:
+def _finished(run: Path, last_step: int) -> bool:
+    """Rank 0 recorded ``last_step``: the training is done (what remains is the final save and exit)."""
+    steps = run / "steps_rank0.jsonl"
+    try:
+        lines = steps.read_text().splitlines() if steps.exists() else []
+    except OSError:
+        return False
+    return bool(lines) and json.loads(lines[-1])["step"] >= last_step
+
+
+def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: threading.Event, kills: list,
+            last_step: int) -> None:
+    """Every ``every_s`` seconds, SIGKILL a random rank (and with ``wipe`` empty its node-local
+    directory), until the run has recorded its last iteration: a kill after that would only hit a
+    job that is done (and leave one node's agent waiting in a rendezvous the other has left)."""
     while not stop.wait(every_s):
+        if _finished(run, last_step):
+            return
         rank = rng.randrange(2)
         info = json.loads((run / f"rank{rank}.json").read_text()) if (run / f"rank{rank}.json").exists() else None
         if info is None:
@@ -151,7 +167,8 @@ def _run(name: str, extra: list[str], args, work: Path, faults: bool, injector=N
         injector, faults = threading.Thread(target=injector, args=(run, stop), daemon=True), True
     else:
         injector = threading.Thread(target=_inject, args=(run, args.fault_every_s, random.Random(args.seed),
-                                                          name == "replicated", stop, kills), daemon=True)
+                                                          name == "replicated", stop, kills, args.iterations),
+                                    daemon=True)
     limit_s = args.limit_s
     if name == "none" and limit_s is not None and args.reference_s is not None:
         limit_s = min(limit_s, NONE_LIMIT_FACTOR * args.reference_s)
@@ -286,7 +303,8 @@ def main() -> None:
         r = _run(name, configs(global_every)[name], args, work, faults=True)
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
         part = lambda key: mean([p[key] for p in r["parts"] if key in p])  # noqa: E731
-        print(f"{name:<14}{r['rc']:>4}{r['wall']:>9.1f}{reference['wall'] / r['wall']:>9.2f}{len(r['kills']):>9}"
+        goodput = f"{reference['wall'] / r['wall']:.2f}" if r["rc"] == 0 else "-"  # a stopped run made no goodput to speak of
+        print(f"{name:<14}{r['rc']:>4}{r['wall']:>9.1f}{goodput:>9}{len(r['kills']):>9}"
               f"{mean(r['lost']):>10.1f}{mean(r['recover']):>13.1f}{part('detect'):>8.1f}{part('imports'):>8.1f}"
               f"{part('setup'):>7.1f}{part('load'):>6.2f}  {', '.join(r['tiers']) or '-'}", flush=True)
     print("fail->step s = detect (launchers notice, new interpreters start) + imports + setup (init, model, data, "
