@@ -13,8 +13,11 @@ Layout under ``checkpoint.local_dir`` (beside the rank folders)::
   the newest step that *every* rank can obtain (its own file, or a copy on a member of its clique),
   and the ranks missing their file of that step receive it from a member that holds it. A received
   copy is checked like a local file; a damaged one is not used (the log says so) and the ranks try
-  the next older step every rank can obtain; with none left, selection falls back to GLOBAL. Nothing is cached between calls: every (re)start looks
-  at the disk afresh.
+  the next older step every rank can obtain; with none left, selection falls back to GLOBAL.
+- :class:`LocalReplication` is what the LOCAL tier holds: the two above, the replicas' removal and
+  retention, and where the exchange runs (writer thread on CPU, finalize on GPU).
+
+Nothing is cached between calls: every (re)start looks at the disk afresh.
 """
 
 from __future__ import annotations
@@ -248,3 +251,75 @@ def _retrieve_step(replicator: Replicator, store: ReplicaStore, held: list[list[
         log.warning("resume: LOCAL step %d of rank %d retrieved from rank %d: %d bytes in %.2fs (checksum verified)",
                     step, me, sender, replica.data.numel(), seconds)
     return ok
+
+
+class LocalReplication:
+    """This rank's LOCAL replication (``checkpoint.replication_factor`` > 1), as the LOCAL tier uses it.
+
+    On CPU the clique exchange runs on the writer thread right after the write (gloo groups no other
+    thread uses while training), so a step is replicated about when it is written and the loop never
+    waits for it. On GPU it runs in the LOCAL finalize, on the training thread: NCCL collectives
+    issued from two threads on different communicators can deadlock.
+
+    Args:
+        root: ``checkpoint.local_dir``.
+        factor / jump: ``checkpoint.replication_factor`` / ``replication_jump`` (resolved).
+        rank / world_size: this rank and the job's size.
+        on_writer: exchange on the writer thread (True on CPU).
+    """
+
+    def __init__(self, root: Path, factor: int, jump: int, rank: int, world_size: int, *, on_writer: bool):
+        self.replicator = Replicator(factor, jump, rank, world_size)
+        self.store = ReplicaStore(root, rank)
+        self.on_writer = on_writer
+        self._exchange_s: Optional[float] = None  # this rank's last exchange on the writer (seconds)
+
+    def writer_step(self, step: int):
+        """At a save, on the training thread (collective the first time: NVRx creates the clique
+        groups here): the ``then`` the writer runs after writing ``step`` (see
+        ``StagedTier._submit_checked``), or None when the exchange runs in finalize (GPU)."""
+        if not self.on_writer:
+            return None
+        _ = self.replicator.strategy
+        return lambda wrote: self._exchange_after_write(step, wrote)
+
+    def _exchange_after_write(self, step: int, wrote: bool) -> None:
+        """Writer thread, after this rank's write of ``step`` (``wrote``: it succeeded): its part of
+        the exchange. A failure fails the save when the write succeeded; after a failed write it is
+        only logged (the write's error is the save's outcome, and the exchange ran so that the other
+        members were not left waiting)."""
+        self._exchange_s = None
+        try:
+            self._exchange_s = exchange_step(self.replicator, self.store, step, have_file=wrote)
+        except Exception as e:  # noqa: BLE001 - ReplicationError, CollectiveError
+            if wrote:
+                raise
+            log.error("LOCAL step %d: rank %d's replication exchange after its failed write: %s", step,
+                      self.store.rank, e)
+
+    def seal(self, step: int) -> bool:
+        """Collective, in the LOCAL finalize once every rank's writer succeeded: True when every
+        replica of ``step`` is stored on every rank (on the writer path the agreement on the writers'
+        outcome already covered it; on GPU this is :func:`replicate_step`)."""
+        if not self.on_writer:
+            return replicate_step(self.replicator, self.store, step)
+        if _dist.rank() == 0 and self._exchange_s is not None:
+            log.info("LOCAL checkpoint of step %d replicated by the writer (factor %d, cliques of ranks %s apart) "
+                     "in %.2fs", step, self.replicator.factor, self.replicator.jump, self._exchange_s)
+        return True
+
+    def remove(self, step: int, what: str) -> None:
+        """The replicas of ``step`` this rank stored for its clique are removed (a failure is logged)."""
+        try:
+            self.store.remove_replicas(step, self.replicator.clique)
+        except OSError as e:
+            log.error("LOCAL replicas of %s step %d on rank %d not removed: %s", what, step, self.store.rank, e)
+
+    def prune(self, run_id: str, step: int, k: int) -> None:
+        """Retention of the replicas this rank keeps (most_recent_k, as for its own files)."""
+        self.store.prune(self.replicator.clique, run_id, step, k)
+
+    def retrieve_for_resume(self, run_id: str) -> Optional[int]:
+        """Collective: :func:`retrieve_for_resume` with this rank's clique and store."""
+        return retrieve_for_resume(self.replicator, self.store, run_id)
+

@@ -76,21 +76,13 @@ class LocalTier(StagedTier):
         self.sealed: list[int] = []  # steps sealed on every rank by this process
         self._run_id = ""  # the run of those steps
         self._abandoned: set[int] = set()  # interrupted saves found at resume: removed by the next save
-        self._replicator = None  # checkpoint.replication_factor > 1: copies on other nodes (local_replicas)
+        self._replication = None  # checkpoint.replication_factor > 1: copies on other nodes
         if self.root is not None and cfg.replication_factor > 1:
-            from tierstack.checkpointing.replication import Replicator
+            from tierstack import runtime
 
-            jump = cfg.replication_jump or parallel_layout.ranks_per_node
-            self._replicator = Replicator(cfg.replication_factor, jump, parallel_layout.rank, parallel_layout.world_size)
-            self._replicas = local_replicas.ReplicaStore(self.root, parallel_layout.rank)
-        # On CPU the clique exchange runs on the writer thread right after the write (gloo groups
-        # no other thread uses while training), so a step is replicated about when it is written
-        # and the loop never waits for it. On GPU it stays in finalize, on the training thread:
-        # NCCL collectives issued from two threads on different communicators can deadlock.
-        from tierstack import runtime
-
-        self._exchange_on_writer = self._replicator is not None and not runtime.has_gpu()
-        self._replicated_s: Optional[float] = None  # this rank's last exchange on the writer (seconds)
+            self._replication = local_replicas.LocalReplication(
+                self.root, cfg.replication_factor, cfg.replication_jump or parallel_layout.ranks_per_node,
+                parallel_layout.rank, parallel_layout.world_size, on_writer=not runtime.has_gpu())
 
     @property
     def enabled(self) -> bool:
@@ -147,10 +139,7 @@ class LocalTier(StagedTier):
                  "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
                  **model_settings.model_settings(objs.model),
                  **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
-        then = None
-        if self._exchange_on_writer:
-            _ = self._replicator.strategy  # its clique groups are created here, collectively, on this thread
-            then = lambda wrote: self._exchange_on_writer_thread(step, wrote)  # noqa: E731
+        then = None if self._replication is None else self._replication.writer_step(step)
         job = self._submit_checked(f"LOCAL checkpoint of step {step}", self._write_and_seal, step, run_id,
                                    captured, staged["header"], staged["buffers"], extra, then=then)
         blocked = time.perf_counter() - t0
@@ -208,29 +197,6 @@ class LocalTier(StagedTier):
                 time.sleep(c.retry_backoff_s * 2 ** (n - 1))
         raise AssertionError("unreachable")
 
-    def _exchange_on_writer_thread(self, step: int, wrote: bool) -> None:
-        """Writer thread, after this rank's write of ``step`` (``wrote``: it succeeded): this rank's
-        part of the clique exchange (:func:`local_replicas.exchange_step`). A failure fails the
-        save when the write succeeded; after a failed write it is only logged (the write's error
-        is the save's outcome, and the exchange ran so that the other members were not left waiting)."""
-        self._replicated_s = None
-        try:
-            self._replicated_s = local_replicas.exchange_step(self._replicator, self._replicas, step, have_file=wrote)
-        except Exception as e:  # noqa: BLE001 - ReplicationError, CollectiveError
-            if wrote:
-                raise
-            log.error("LOCAL step %d: rank %d's replication exchange after its failed write: %s", step,
-                      self.layout.rank, errors.describe(e))
-
-    def _remove_replicas(self, step: int, what: str) -> None:
-        """The replicas of ``step`` this rank stored for its clique are removed (logged on failure)."""
-        if self._replicator is None:
-            return
-        try:
-            self._replicas.remove_replicas(step, self._replicator.clique)
-        except OSError as e:
-            log.error("LOCAL replicas of %s step %d on rank %d not removed: %s", what, step, self.layout.rank, e)
-
     def _owner(self, step: int) -> Optional[str]:
         """The run id in this rank's manifest of ``step``; None when there is no manifest."""
         man = paths.read_json(self._paths(step)[1])
@@ -276,22 +242,17 @@ class LocalTier(StagedTier):
             reason, nonfinite = str(e), self._nonfinite_ranks(job)
         if reason is None and job.step in self._vetoed:  # blocked in another tier: not kept here either
             self._discard_step(job.step, job.run_id)
-            self._remove_replicas(job.step, "blocked")
+            if self._replication is not None:
+                self._replication.remove(job.step, "blocked")
             log.error("LOCAL checkpoint of step %d discarded on every rank: the non-finite guard blocked that step",
                       job.step)
             return
-        if reason is None and self._replicator is not None:
-            if self._exchange_on_writer:  # exchanged by the writers: the agreement above covered it
-                if self.layout.rank == 0 and self._replicated_s is not None:
-                    log.info("LOCAL checkpoint of step %d replicated by the writer (factor %d, cliques of ranks %s "
-                             "apart) in %.2fs", job.step, self._replicator.factor, self._replicator.jump,
-                             self._replicated_s)
-            elif not local_replicas.replicate_step(self._replicator, self._replicas, job.step):
-                reason = "replication to the other nodes failed on some rank"
+        if reason is None and self._replication is not None and not self._replication.seal(job.step):
+            reason = "replication to the other nodes failed on some rank"
         if reason is not None:
             self._discard_step(job.step, job.run_id)
-            if self._exchange_on_writer:
-                self._remove_replicas(job.step, "failed")
+            if self._replication is not None:  # what the writers stored of the failed step
+                self._replication.remove(job.step, "failed")
             if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
                 self.nonfinite.append((job.step, nonfinite))
                 return
@@ -306,8 +267,7 @@ class LocalTier(StagedTier):
         budget = self.cfg.quarantine_budget_bytes
         budget = int(job.job.result()) if budget is None else budget
         rank_dir, rank, run_id, step, k = self.rank_dir, self.layout.rank, job.run_id, job.step, self.cfg.most_recent_k
-        replicas = (lambda: None) if self._replicator is None else (
-            lambda: self._replicas.prune(self._replicator.clique, run_id, step, k))
+        replicas = (lambda: None) if self._replication is None else (lambda: self._replication.prune(run_id, step, k))
         self._retain_when_settled(step, lambda: (retention.prune_local(rank_dir, rank, run_id, step, k),
                               replicas(), retention.prune_quarantined(rank_dir, budget)), f"after step {step}")
         if self.layout.rank == 0:
@@ -318,7 +278,8 @@ class LocalTier(StagedTier):
         """This rank's sealed files of ``step`` (and the replicas it holds of it) are removed: the
         guard blocked the step (:meth:`veto`)."""
         self._discard_step(step, self._run_id)
-        self._remove_replicas(step, "blocked")
+        if self._replication is not None:
+            self._replication.remove(step, "blocked")
         self.sealed.remove(step)
         log.error("LOCAL checkpoint of step %d removed on rank %d: the non-finite guard blocked that step",
                   step, self.layout.rank)
@@ -328,8 +289,8 @@ class LocalTier(StagedTier):
         """Collective: with replication, the ranks that miss their file of the newest step every
         rank can obtain retrieve it from a replica (:func:`local_replicas.retrieve_for_resume`)."""
         self._verified.clear()  # every (re)start selects afresh: nothing read before counts
-        if self._replicator is not None:
-            local_replicas.retrieve_for_resume(self._replicator, self._replicas, run_id)
+        if self._replication is not None:
+            self._replication.retrieve_for_resume(run_id)
 
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
         if self.root is None or not self.rank_dir.is_dir():

@@ -68,6 +68,15 @@ def main() -> None:
         managers.append(self)
 
     manager_module.CheckpointManager.__init__ = capture
+    if os.environ.get("TIERSTACK_TEST_REPLICATE_IN_FINALIZE") == "1":  # the GPU path, on this CPU
+        from tierstack.checkpointing import local_replicas
+
+        replication_init = local_replicas.LocalReplication.__init__
+
+        def in_finalize(self, *args, **kwargs):
+            replication_init(self, *args, **{**kwargs, "on_writer": False})
+
+        local_replicas.LocalReplication.__init__ = in_finalize
 
     def on_step(ts, result):
         restart = json.loads(restarts_file.read_text())["restarts"] if restarts_file.exists() else 0

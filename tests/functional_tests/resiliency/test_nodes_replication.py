@@ -67,8 +67,11 @@ def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_mis
     data = bytearray(replica.read_bytes())
     data[len(data) // 2] ^= 0xFF
     replica.write_bytes(bytes(data))
-    proc, log = _launch(damaged, "damaged", "checkpoint.replication_factor=2")
+    # (This relaunch replicates the LOCAL step 10 it saves in the finalize, as on a GPU.)
+    proc, log = _launch(damaged, "damaged", "checkpoint.replication_factor=2",
+                        env={"TIERSTACK_TEST_REPLICATE_IN_FINALIZE": "1"})
     assert proc.returncode == 0, log[-5000:]
+    assert "LOCAL checkpoint of step 10 replicated (factor 2" in log  # replicate_step's own line
     assert "LOCAL step 10 of rank 1 retrieved from rank 0 is damaged (checksum-mismatch" in log
     assert "LOCAL step 5 of rank 1 retrieved from rank 0:" in log and "resumed from LOCAL checkpoint at iteration 5" in log
     for rank in (0, 1):
