@@ -69,8 +69,16 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
-trap 'cleanup; exit 130' INT TERM
+# A signal to this script goes to every agent (torchrun turns it into SIGTERM to its ranks, whose
+# planned exit may still save), and the script returns only once every agent has exited: a caller
+# that waits on it must not see the job over while ranks still write.
+on_signal() {
+  for p in "${PIDS[@]}"; do kill -"$1" "$p" 2>/dev/null; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
+  exit "$2"
+}
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
 
 # Each agent looks at its ranks (and at whether another node asks for a restart) every 0.1 s, as
 # torchrun >= 2.2 does by default (older ones: 5 s). A failed rank is noticed within 0.1 s by its agent

@@ -268,14 +268,14 @@ class GlobalTier(StagedTier):
         try:
             retry.agree(error)  # every rank learns every rank's cause (rank, path, errno)
             if job.step in self._vetoed:  # blocked in another tier: never published here either
-                self._discard(job, results_pending=True)
+                self._discard(job)
                 log.error("GLOBAL checkpoint of step %d discarded on every rank: the non-finite guard blocked that "
                           "step", job.step)
                 return
             self._finalize_attempts(job)
         except retry.SaveAttemptFailed as e:
             nonfinite = self._nonfinite_ranks(job)  # (a collective: before rank 0's deletion, as every rank)
-            self._discard(job, results_pending=error is None)
+            self._discard(job)
             if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
                 self.nonfinite.append((job.step, nonfinite))
                 return
@@ -287,12 +287,12 @@ class GlobalTier(StagedTier):
         self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0, job.train_state)
 
     @staticmethod
-    def _discard(job: _InFlight, *, results_pending: bool) -> None:
-        """Drop a save that will not be published, on every rank: this rank's write results
-        (``results_pending``: its writer succeeded, so megatron's queue still holds them) and, on
-        rank 0, the staging directory."""
-        if results_pending:
-            global_writer.discard_results(job.request)
+    def _discard(job: _InFlight) -> None:
+        """Drop a save that will not be published, on every rank: whatever this rank's writer put
+        into megatron's results queue (also when it failed after putting them, e.g. in the
+        read-back check: the next save's finalize would otherwise read these) and, on rank 0, the
+        staging directory."""
+        global_writer.discard_results(job.request)
         if _dist.rank() == 0:
             shutil.rmtree(job.staging, ignore_errors=True)
 

@@ -114,14 +114,16 @@ def _with_retries(fn, what: str, attempts: int, backoff_s: float):
 
 
 def discard_results(request) -> None:
-    """Drop this rank's write results from megatron's (process-wide) results queue, when a save
-    is abandoned before megatron's finalize read them; the next save must not read stale ones."""
-    if request.async_fn is None:
+    """Empty megatron's (process-wide) results queue of this rank's write results, when a save is
+    dropped before megatron's finalize read them: the next save must not read stale ones (with
+    one save in flight, nothing else can be in it)."""
+    if request.async_fn is None or request.async_fn_args[2] is None:
         return
-    try:
-        request.async_fn_args[2].get_nowait()
-    except queue.Empty:
-        pass
+    while True:
+        try:
+            request.async_fn_args[2].get_nowait()
+        except queue.Empty:
+            return
 
 
 def start_results_channel() -> "queue.Queue":

@@ -23,6 +23,7 @@ Nothing is cached between calls: every (re)start looks at the disk afresh.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -156,6 +157,9 @@ def exchange_step(replicator: Replicator, store: ReplicaStore, step: int, *, hav
             man, data = {}, torch.empty(0, dtype=torch.uint8)
     received = replicator.replicate(step, man, data)  # every member takes part, even with nothing to send
     for replica in received:
+        if not replica.manifest:
+            problems.append(f"rank {replica.owner} sent no file of it (its write failed or was blocked)")
+            continue
         try:
             store.store(replica)
         except (OSError, KeyError, ValueError) as e:  # LocalFileError is a ValueError
@@ -266,31 +270,59 @@ class LocalReplication:
         factor / jump: ``checkpoint.replication_factor`` / ``replication_jump`` (resolved).
         rank / world_size: this rank and the job's size.
         on_writer: exchange on the writer thread (True on CPU).
+        writer_timeout_s: ``checkpoint.async_write_timeout_s``: the writers' clique groups wait
+            that long for the slowest member's write, as the training thread does.
+
+    The writers' exchange has clique groups of its own (created at the first save, collectively, on
+    the training thread), apart from those of the resume retrieval, which are bounded like every
+    checkpoint collective. After a save that failed anywhere, or whose writer was left behind after
+    the write timeout, every rank drops them (:meth:`reset_writer`) and the next save creates new
+    ones: a timed-out gloo pair stays closed, and a writer left behind may still enter an exchange
+    later, which must not meet the next save's exchange on the same group. Such a writer finds its
+    save cancelled before it starts one.
     """
 
-    def __init__(self, root: Path, factor: int, jump: int, rank: int, world_size: int, *, on_writer: bool):
+    def __init__(self, root: Path, factor: int, jump: int, rank: int, world_size: int, *, on_writer: bool,
+                 writer_timeout_s: float = 1800.0):
         self.replicator = Replicator(factor, jump, rank, world_size)
         self.store = ReplicaStore(root, rank)
         self.on_writer = on_writer
+        self._writer_timeout_s = writer_timeout_s
+        self._writer: Optional[Replicator] = None  # the writers' exchange (own clique groups)
+        self._cancel = threading.Event()  # set when the save in flight is given up (reset_writer)
         self._exchange_s: Optional[float] = None  # this rank's last exchange on the writer (seconds)
 
     def writer_step(self, step: int):
-        """At a save, on the training thread (collective the first time: NVRx creates the clique
-        groups here): the ``then`` the writer runs after writing ``step`` (see
-        ``StagedTier._submit_checked``), or None when the exchange runs in finalize (GPU)."""
+        """At a save, on the training thread (collective when the writers' clique groups are
+        created: the first save, and the first after :meth:`reset_writer`): the ``then`` the writer
+        runs after writing ``step`` (see ``StagedTier._submit_checked``), or None when the exchange
+        runs in finalize (GPU)."""
         if not self.on_writer:
             return None
-        _ = self.replicator.strategy
-        return lambda wrote: self._exchange_after_write(step, wrote)
+        if self._writer is None:
+            self._writer = Replicator(self.replicator.factor, self.replicator.jump, self.store.rank,
+                                      self.replicator.world_size, timeout_s=self._writer_timeout_s)
+            _ = self._writer.strategy
+        writer, cancel = self._writer, self._cancel
+        return lambda wrote: self._exchange_after_write(writer, cancel, step, wrote)
 
-    def _exchange_after_write(self, step: int, wrote: bool) -> None:
+    def reset_writer(self) -> None:
+        """On every rank, after a save that failed anywhere or timed out (see the class docstring)."""
+        self._cancel.set()
+        self._cancel, self._writer = threading.Event(), None
+
+    def _exchange_after_write(self, writer: Replicator, cancel: threading.Event, step: int, wrote: bool) -> None:
         """Writer thread, after this rank's write of ``step`` (``wrote``: it succeeded): its part of
         the exchange. A failure fails the save when the write succeeded; after a failed write it is
         only logged (the write's error is the save's outcome, and the exchange ran so that the other
-        members were not left waiting)."""
+        members were not left waiting). A save given up meanwhile (``cancel``) exchanges nothing."""
         self._exchange_s = None
+        if cancel.is_set():
+            if wrote:
+                raise ReplicationError(f"LOCAL step {step} on rank {self.store.rank}: given up before replication")
+            return
         try:
-            self._exchange_s = exchange_step(self.replicator, self.store, step, have_file=wrote)
+            self._exchange_s = exchange_step(writer, self.store, step, have_file=wrote)
         except Exception as e:  # noqa: BLE001 - ReplicationError, CollectiveError
             if wrote:
                 raise

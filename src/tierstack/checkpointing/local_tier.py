@@ -82,7 +82,8 @@ class LocalTier(StagedTier):
 
             self._replication = local_replicas.LocalReplication(
                 self.root, cfg.replication_factor, cfg.replication_jump or parallel_layout.ranks_per_node,
-                parallel_layout.rank, parallel_layout.world_size, on_writer=not runtime.has_gpu())
+                parallel_layout.rank, parallel_layout.world_size, on_writer=not runtime.has_gpu(),
+                writer_timeout_s=cfg.async_write_timeout_s)
 
     @property
     def enabled(self) -> bool:
@@ -253,6 +254,7 @@ class LocalTier(StagedTier):
             self._discard_step(job.step, job.run_id)
             if self._replication is not None:  # what the writers stored of the failed step
                 self._replication.remove(job.step, "failed")
+                self._replication.reset_writer()  # every rank: the next save exchanges on new groups
             if nonfinite:  # not a failed save: the guard's verdict (the manager applies on_nonfinite)
                 self.nonfinite.append((job.step, nonfinite))
                 return

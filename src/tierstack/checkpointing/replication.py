@@ -140,10 +140,15 @@ class Replicator:
         factor: ``checkpoint.replication_factor`` (> 1).
         jump: ``checkpoint.replication_jump`` (ranks between the members of a clique).
         rank / world_size: this rank and the job's size.
+        timeout_s: None: the clique groups are bounded like every checkpoint collective
+            (``checkpoint.collective_timeout_s`` inside the manager's blocks); a number: that
+            fixed timeout in seconds (the LOCAL writers' groups: ``checkpoint.async_write_timeout_s``,
+            since a member waits there for the slowest member's write).
     """
 
-    def __init__(self, factor: int, jump: int, rank: int, world_size: int):
+    def __init__(self, factor: int, jump: int, rank: int, world_size: int, *, timeout_s: Optional[float] = None):
         self.factor, self.jump, self.rank, self.world_size = factor, jump, rank, world_size
+        self.timeout_s = timeout_s  # None: bounded like every checkpoint collective; else this fixed timeout
         self.clique = next(g for g in clique_groups(world_size, factor, jump) if rank in g)
         self._strategy = None
 
@@ -154,7 +159,10 @@ class Replicator:
             from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
 
             self._strategy = CliqueReplicationStrategy.from_replication_params(self.jump, self.factor)
-            _dist.register_checkpoint_group(self._strategy.local_group.group)  # bounded like every checkpoint collective
+            if self.timeout_s is None:  # bounded like every checkpoint collective
+                _dist.register_checkpoint_group(self._strategy.local_group.group)
+            else:  # used off the training thread (LOCAL writers): the bounded blocks there must not change it
+                _dist.set_group_timeout(self._strategy.local_group.group, self.timeout_s)
         return self._strategy
 
     @staticmethod

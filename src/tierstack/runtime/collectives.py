@@ -136,6 +136,13 @@ def register_checkpoint_group(group) -> None:
         _set_timeout(seconds, [group])
 
 
+def set_group_timeout(group, seconds: float) -> None:
+    """Give ``group``'s collectives a fixed timeout of ``seconds`` (a group that :func:`bounded`
+    does not touch: one used off the training thread, such as the LOCAL writers' replication)."""
+    if group is not None and is_distributed():
+        _set_timeout(seconds, [group])
+
+
 def _groups() -> list:
     """The process groups a checkpoint uses: WORLD, megatron's data-parallel group (the fully
     parallel save and load exchange over it) when model parallelism is initialised, and the groups

@@ -1,4 +1,4 @@
-"""Keep megatron-core from loading torch's compiler stack on a CPU, where nothing it compiles runs.
+"""Keep megatron-core from loading torch's compiler stack on a CPU, where its fused kernels are off.
 
 megatron-core 0.16.1 (``megatron/core/jit.py``) sets ``jit_fuser = torch.compile`` when it is
 imported, and its fusion modules (``fusions/fused_bias_gelu.py``, ``fused_bias_dropout.py``,
@@ -7,11 +7,15 @@ imported, and its fusion modules (``fusions/fused_bias_gelu.py``, ``fused_bias_d
 single-threaded import on every rank of every launch and every restart (measured on this machine by
 importing ``megatron.core.models.gpt`` with and without this hook).
 
-Those kernels run only when a ``TransformerConfig`` fusion flag is on, and
-:func:`tierstack.runtime.fusions.fusion_flags` turns every one of them off without a GPU. So on a
-CPU, :func:`install_cpu_hook` arranges for megatron-core's own ``disable_jit_fuser()`` to run right
-after ``megatron.core.jit`` executes, before any fusion module decorates with it: the functions stay
-plain Python, which is what a CPU run executes either way. On a GPU nothing changes.
+Most of those functions run only when a ``TransformerConfig`` fusion flag is on, and
+:func:`tierstack.runtime.fusions.fusion_flags` turns every flag off without a GPU. One is called
+anyway: ``megatron.core.transformer.utils.openai_gelu``, our ``model.activation_func=gelu_tanh``
+(:func:`tierstack.models.gpt.activation_function`). Compiled on a CPU, its first call took 9.7 s (an
+inductor C++ build, on every rank of every launch) and its result differed from eager torch by
+about one ulp. So on a CPU, :func:`install_cpu_hook` arranges for megatron-core's own
+``disable_jit_fuser()`` to run right after ``megatron.core.jit`` executes, before any module
+decorates with it: the functions stay plain Python and run eagerly (``gelu_tanh`` is then exactly
+eager torch's tanh-approximated GELU). On a GPU nothing changes.
 """
 
 from __future__ import annotations

@@ -68,6 +68,20 @@ def main() -> None:
         managers.append(self)
 
     manager_module.CheckpointManager.__init__ = capture
+    slow = [tuple(int(x) for x in item.split(":")) for item in os.environ.get("TIERSTACK_TEST_SLOW_LOCAL_WRITE", "").split(",") if item]
+    if slow:  # rank:step:seconds: that rank's LOCAL writer sleeps before writing that step
+        from tierstack.checkpointing.local_tier import LocalTier
+
+        write = LocalTier._write_and_seal
+
+        def slow_write(self, step, *args, **kwargs):
+            for r, s_, seconds in slow:
+                if r == rank and s_ == step:
+                    print(f"rank {rank}: LOCAL writer of step {step} sleeps {seconds} s", flush=True)
+                    time.sleep(seconds)
+            return write(self, step, *args, **kwargs)
+
+        LocalTier._write_and_seal = slow_write
     if os.environ.get("TIERSTACK_TEST_REPLICATE_IN_FINALIZE") == "1":  # the GPU path, on this CPU
         from tierstack.checkpointing import local_replicas
 

@@ -129,3 +129,24 @@ def test_a_write_failing_on_one_rank_fails_the_replicated_step_everywhere_withou
     assert "LOCAL checkpoint of step 5 sealed" not in log and "FINAL step=6" in log
     assert not list((tmp_path / "run").glob("node*/local/replicas/*/iter_0000005_*"))
     assert not list((tmp_path / "run").glob("node0/local/0/iter_0000005_*"))  # rank 0's own file removed
+
+
+@pytest.mark.slow
+def test_a_slow_write_waits_for_the_write_timeout_and_a_timed_out_one_leaves_replication_working(tmp_path):
+    """The writers' exchange waits for the slowest member's write as long as the training thread
+    does (``checkpoint.async_write_timeout_s``), not the shorter collective or training timeouts:
+    rank 1's write of step 5 takes longer than both and step 5 is still sealed. Its write of step 10
+    outlasts the write timeout: step 10 fails on every rank, its writers are left behind, and step
+    15 is exchanged on new clique groups and sealed (a timed-out gloo pair stays closed, and the
+    writer left behind must not meet the next exchange)."""
+    proc, log = _launch(tmp_path, "slow", "checkpoint.replication_factor=2", "train.train_iters=17",
+                        "distributed.timeout_s=8", "checkpoint.collective_timeout_s=2",
+                        "checkpoint.async_write_timeout_s=14",
+                        env={"TIERSTACK_TEST_SLOW_LOCAL_WRITE": "1:5:10,1:10:18"})
+    assert proc.returncode == 0, log[-5000:]
+    assert "rank 1: LOCAL writer of step 5 sleeps 10 s" in log
+    assert "LOCAL checkpoint of step 5 sealed on every rank" in log, log[-5000:]
+    assert "LOCAL checkpoint of step 10 NOT saved" in log and "async_write_timeout_s=14" in log
+    assert "LOCAL checkpoint of step 15 replicated by the writer" in log
+    assert "LOCAL checkpoint of step 15 sealed on every rank" in log and "FINAL step=17" in log
+
