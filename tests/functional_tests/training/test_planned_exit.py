@@ -41,7 +41,8 @@ def test_sigterm_to_the_launcher_stops_the_ranks_with_a_planned_exit_and_status_
     cmd = [sys.executable, "-m", "tierstack.cli", "pretrain", "gpt_tiny", "--nproc-per-node", "1",
            "distributed.tensor_model_parallel_size=1", "dataset.mock=true", "train.train_iters=100000",
            "train.eval_interval=null", "mlflow=null", "straggler=null", f"logger.run_dir={run}",
-           f"checkpoint.save={run}/checkpoints", "checkpoint.save_interval=2", "checkpoint.local_save_interval=null"]
+           f"checkpoint.save={run}/checkpoints", "checkpoint.save_interval=2", "checkpoint.local_save_interval=null",
+           f"checkpoint.local_dir={run}/local"]  # never the default runs/gpt_tiny/local of the user
     tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
     with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=Path(__file__).resolve().parents[3],
