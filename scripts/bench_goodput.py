@@ -335,6 +335,8 @@ def main() -> None:
               f"{part('setup'):>7.1f}{part('load'):>6.2f}  {', '.join(r['tiers']) or '-'}", flush=True)
     print("fail->step s = detect (launchers notice, new interpreters start) + imports + setup (init, model, data, "
           "selection, first step) + load (checkpoint read, rank 0)")
+    if args.local_root.parent == Path("/dev/shm"):  # the folder this run made there (each run's part is gone)
+        shutil.rmtree(args.local_root, ignore_errors=True)
 
 
 if __name__ == "__main__":
