@@ -122,14 +122,15 @@ def worker(out: Path, overrides: list[str]) -> None:
     pretrain(cfg, on_step=on_step)
 
 
+def _records(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (``steps_rank0.jsonl``, ``starts.jsonl``); none while it does not exist."""
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
 def _finished(run: Path, last_step: int) -> bool:
     """Rank 0 recorded ``last_step``: the training is done (what remains is the final save and exit)."""
-    steps = run / "steps_rank0.jsonl"
-    try:
-        lines = steps.read_text().splitlines() if steps.exists() else []
-    except OSError:
-        return False
-    return bool(lines) and json.loads(lines[-1])["step"] >= last_step
+    steps = _records(run / "steps_rank0.jsonl")
+    return bool(steps) and steps[-1]["step"] >= last_step
 
 
 def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: threading.Event, kills: list,
@@ -171,7 +172,7 @@ def _run(name: str, extra: list[str], args, work: Path, faults: bool, injector=N
            "2", "1", __file__, str(run), *overrides]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
     stop, kills = threading.Event(), []
-    if injector is not None:  # the calibration's own single kill
+    if injector is not None:  # the calibration's own kills
         injector, faults = threading.Thread(target=injector, args=(run, stop), daemon=True), True
     else:
         injector = threading.Thread(target=_inject, args=(run, args.fault_every_s, random.Random(args.seed),
@@ -201,10 +202,10 @@ def _run(name: str, extra: list[str], args, work: Path, faults: bool, injector=N
 
 
 def _analyse(run: Path, kills: list) -> dict:
-    steps = [json.loads(x) for x in (run / "steps_rank0.jsonl").read_text().splitlines()] if (run / "steps_rank0.jsonl").exists() else []
+    steps = _records(run / "steps_rank0.jsonl")
     text = (run / "launch.log").read_text(errors="replace")
     tiers = re.findall(r"resumed from (LOCAL|GLOBAL) checkpoint at iteration (\d+)", text)
-    starts = [json.loads(x) for x in (run / "starts.jsonl").read_text().splitlines()] if (run / "starts.jsonl").exists() else []
+    starts = _records(run / "starts.jsonl")
     lost, recover, parts = [], [], []
     for i, k in enumerate(kills):
         before = [s for s in steps if s["t"] < k["t"]]
@@ -250,9 +251,9 @@ def _calibrate(args, work: Path) -> dict:
     killed: set = set()
 
     def kill_after_seals(run: Path, stop: threading.Event) -> None:
-        steps, info = run / "steps_rank0.jsonl", run / "rank1.json"
+        info = run / "rank1.json"
         while len(kills) < CALIBRATION_KILLS and not stop.wait(0.2):
-            done = [json.loads(x) for x in steps.read_text().splitlines()] if steps.exists() else []
+            done = _records(run / "steps_rank0.jsonl")
             pid = json.loads(info.read_text())["pid"] if info.exists() else None
             if len(done) >= (len(kills) + 1) * (LOCAL_EVERY + 2) and pid is not None and pid not in killed:
                 try:
@@ -263,7 +264,7 @@ def _calibrate(args, work: Path) -> dict:
                 kills.append({"t": time.time(), "rank": 1})
 
     r = _run("calibration", configs(6 * LOCAL_EVERY)["local_global"], cal, work, faults=False, injector=kill_after_seals)
-    steps = [json.loads(x) for x in (run / "steps_rank0.jsonl").read_text().splitlines()]
+    steps = _records(run / "steps_rank0.jsonl")
     first = [s["t"] for s in steps if not kills or s["t"] < kills[0]["t"]]
     gaps = sorted(b - a for a, b in zip(first, first[1:]))
     step_s = gaps[len(gaps) // 2] if gaps else float("nan")
@@ -294,6 +295,7 @@ def main() -> None:
     args.limit_s = args.reference_s = None
     work = Path(args.work_dir or f"/tmp/bench_goodput.{os.getpid()}")
     shm = Path("/dev/shm")
+    own_local_root = args.local_root == "auto"  # made by this run: removed at the end
     args.local_root = (Path(args.local_root) if args.local_root != "auto"
                        else shm / f"tierstack_bench_goodput.{os.getpid()}" if shm.is_dir() and os.access(shm, os.W_OK)
                        else work / "node_local")
@@ -335,7 +337,7 @@ def main() -> None:
               f"{part('setup'):>7.1f}{part('load'):>6.2f}  {', '.join(r['tiers']) or '-'}", flush=True)
     print("fail->step s = detect (launchers notice, new interpreters start) + imports + setup (init, model, data, "
           "selection, first step) + load (checkpoint read, rank 0)")
-    if args.local_root.parent == Path("/dev/shm"):  # the folder this run made there (each run's part is gone)
+    if own_local_root:  # (each configuration's part is gone already; never a folder the user named)
         shutil.rmtree(args.local_root, ignore_errors=True)
 
 

@@ -30,7 +30,7 @@ from tierstack.runtime.distributed import (  # noqa: E402
 
 if not has_gpu():
     known_warnings.install_cpu_filters()
-    jit_fuser.install_cpu_hook()  # megatron-core's fused kernels are off on a CPU: skip torch.compile's import
+    jit_fuser.install_cpu_hook()  # megatron-core's JIT functions run eagerly on a CPU: no torch.compile import
 
 __all__ = [
     "copy_to_host",
