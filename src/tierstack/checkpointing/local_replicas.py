@@ -115,10 +115,13 @@ class ReplicaStore:
                     p.unlink(missing_ok=True)
 
     def prune(self, owners, run_id: str, step: int, k: int) -> None:
-        """Retention of the replicas kept for ``owners`` (most_recent_k, as for own files)."""
+        """Retention of the replicas kept for ``owners`` (most_recent_k, as for own files), and of
+        what an interrupted store left there: ``.dirty`` and temp files of steps up to ``step`` (a
+        store of a newer step may be in progress on the writer thread and is left alone)."""
         for owner in owners:
             if owner != self.rank and self.folder(owner).is_dir():
                 retention.prune_local(self.folder(owner), owner, run_id, step, k)
+                retention.prune_leftovers_upto(self.folder(owner), step)
 
 
 class ReplicationError(Exception):

@@ -16,6 +16,7 @@ directory, and the oldest beyond it are removed, each removal logged (:func:`pru
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
@@ -23,6 +24,8 @@ from typing import Iterable, Optional
 from tierstack.checkpointing import paths
 
 log = logging.getLogger(__name__)
+
+_STEP_PREFIX = re.compile(r"iter_(\d+)_")
 
 
 def steps_to_delete(own_steps: Iterable[int], published: int, k: int,
@@ -89,6 +92,29 @@ def prune_local(rank_dir: Path, rank: int, run_id: str, published: int, k: int) 
         if _try(lambda p: p.unlink(missing_ok=True), Path(rank_dir) / paths.local_file_name(step, rank)):
             _try(lambda p: p.unlink(missing_ok=True), Path(rank_dir) / paths.local_manifest_name(step, rank))
             removed.append(step)
+    return removed
+
+
+def prune_leftovers_upto(folder: Path, step: int) -> list[Path]:
+    """Remove the ``.dirty`` and temp files of LOCAL steps ``<= step`` in ``folder`` (a replicas
+    folder): left by a store a kill interrupted, never a checkpoint, each as large as one. Files of
+    newer steps may belong to a store in progress and are kept. Each removal is logged; a failed
+    one is logged and skipped."""
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        name = p.name.lstrip(".")
+        if not (name.endswith(".dirty.pt") or ".tmp-" in name):
+            continue
+        m = _STEP_PREFIX.match(name)
+        if m is None or int(m.group(1)) > step:
+            continue
+        log.info("retention: removing %s, left by an interrupted replica store", p)
+        if _try(lambda q: q.unlink(missing_ok=True), p):
+            removed.append(p)
     return removed
 
 

@@ -89,6 +89,29 @@ def test_a_replica_is_stored_only_when_its_owners_checksum_matches(tmp_path):
     assert sent.tensors[0].shape == data.shape and sent.tensors[0].dtype == torch.uint8
 
 
+def test_replica_retention_removes_what_an_interrupted_store_left_up_to_the_step(tmp_path, caplog):
+    """A kill during a replica store leaves a full-size ``.dirty`` file (and maybe a manifest temp
+    file) in ``replicas/<owner>``; the next retention removes those of steps up to the one it
+    retains, and leaves a newer step's (a store the writer thread may be running) and the checkpoints."""
+    store = local_replicas.ReplicaStore(tmp_path / "node0", 0)
+    for step in (5, 10):
+        _, man, data = _write_own(tmp_path / "node1", step, rank=1)
+        store.store(FileReplica(1, step, man, data))
+    folder = store.folder(1)
+    stale = [folder / "iter_0000007_1_local.dirty.pt", folder / ".iter_0000007_1_local.manifest.json.tmp-4242"]
+    newer = folder / "iter_0000015_1_local.dirty.pt"
+    for p in stale + [newer]:
+        p.write_bytes(b"partial" * 1000)
+    with caplog.at_level("INFO"):
+        store.prune([0, 1], "runA", step=10, k=2)
+    assert not any(p.exists() for p in stale)
+    assert newer.exists()
+    assert sorted(store.holdings("runA")) == sorted([replica_id(5, 1), replica_id(10, 1)])
+    assert "left by an interrupted replica store" in caplog.text
+    store.prune([0, 1], "runA", step=15, k=2)
+    assert not newer.exists()
+
+
 def _rank1_holds_nothing(monkeypatch, dirty_steps=()):
     """Simulate a rank 1 in the gathers of selection: no candidates, ``.dirty`` files of ``dirty_steps``."""
     real = collectives.all_gather_object
