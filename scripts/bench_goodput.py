@@ -123,8 +123,18 @@ def worker(out: Path, overrides: list[str]) -> None:
 
 
 def _records(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (``steps_rank0.jsonl``, ``starts.jsonl``); none while it does not exist."""
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    """The JSON lines of ``path`` (``steps_rank0.jsonl``, ``starts.jsonl``); none while it does not
+    exist. A last line that does not parse is one a rank is still writing (or was killed writing):
+    it is left out; a damaged line before the last raises ``json.JSONDecodeError``."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = [json.loads(x) for x in lines[:-1]]
+    try:
+        out += [json.loads(x) for x in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return out
 
 
 def _finished(run: Path, last_step: int) -> bool:
