@@ -154,3 +154,53 @@ def evidence(handlers: Sequence[CheckpointTierHandler]) -> list[str]:
     """
     mine = [f for h in _deciders(handlers) for f in _evidence_in(h.run_root)]
     return sorted({f for view in _dist.all_gather_object(mine[:20]) for f in view})
+
+
+class CheckpointUnavailableError(BadInputError, CheckpointLoadError):
+    """No checkpoint can be resumed the way the run is configured (every candidate invalid or
+    missing on some rank, ``ckpt_step`` naming no valid checkpoint, ``exit_on_missing_checkpoint``
+    with nothing found). Decided from the collective resume selection, so every rank raises it
+    alike: the run stops with one message naming what to restore or which setting to change, and
+    exit status 2, before any work."""
+
+
+def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) -> None:
+    """Before a fresh start, on every rank alike (``chosen``, the collective resume selection, is
+    the same everywhere): refuse it when it would drop a run's history or ignore a setting.
+
+    Args:
+        cfg: the run's ``CheckpointConfig``.
+        chosen: the :class:`~tierstack.checkpointing.selection.Selection` that found nothing to
+            resume (its ``quarantined`` and ``missing`` say why).
+        handlers: the run's tiers.
+
+    Raises:
+        CheckpointUnavailableError: candidates were quarantined or missing on some rank (unless
+            ``checkpoint.allow_fresh_start_on_invalid``), ``checkpoint.ckpt_step`` names no valid
+            checkpoint, or ``checkpoint.exit_on_missing_checkpoint`` with nothing found.
+        CheckpointLoadError: an earlier run left files in a deciding directory (rule 4 above).
+    """
+    if (chosen.quarantined or chosen.missing) and not cfg.allow_fresh_start_on_invalid:
+        # files quarantined by an earlier launch are part of the story (a step now "missing" on a
+        # rank may be one of them)
+        kept = [f for f in evidence(handlers) if ".invalid-" in f]
+        found = "; ".join(chosen.quarantined + chosen.missing
+                          + ([f"found quarantined {', '.join(kept[:8])}"] if kept else []))
+        raise CheckpointUnavailableError(
+            f"checkpoints exist but none can be resumed on every rank ({found}; invalid ones quarantined as "
+            "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), enable "
+            "checkpoint.replication_factor for next time, or set checkpoint.allow_fresh_start_on_invalid=true"
+        )
+    if cfg.ckpt_step is not None:
+        raise CheckpointUnavailableError(
+            f"checkpoint.ckpt_step={cfg.ckpt_step}: no valid checkpoint of that step in any tier")
+    found = [] if cfg.allow_fresh_start_on_invalid else evidence(handlers)
+    if found:  # an earlier run of the deciding directories, and nothing of it to resume from
+        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+        raise CheckpointLoadError(
+            f"an earlier run left files here but no valid checkpoint to resume from (found {shown}); "
+            "starting fresh would silently drop its history. Fix or restore its checkpoints, point "
+            "checkpoint.save/load/local_dir elsewhere, or set checkpoint.allow_fresh_start_on_invalid=true"
+        )
+    if cfg.exit_on_missing_checkpoint:
+        raise CheckpointUnavailableError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")

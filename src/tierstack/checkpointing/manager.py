@@ -18,7 +18,7 @@ from tierstack.checkpointing import compat, intervals, selection
 from tierstack.checkpointing.best import BestRecords, resolve_pretrained
 from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard
 from tierstack.checkpointing import family as run_family
-from tierstack.checkpointing.global_reader import CheckpointLoadError, GlobalReader
+from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import (
@@ -29,19 +29,10 @@ from tierstack.checkpointing.types import (
     TrainingObjects,
 )
 from tierstack.config import CheckpointConfig
-from tierstack.errors import BadInputError
 from tierstack.runtime import ParallelLayout
 from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointUnavailableError(BadInputError, CheckpointLoadError):
-    """No checkpoint can be resumed the way the run is configured (every candidate invalid or
-    missing on some rank, ``ckpt_step`` naming no valid checkpoint, ``exit_on_missing_checkpoint``
-    with nothing found). Decided from the collective resume selection, so every rank raises it
-    alike: the run stops with one message naming what to restore or which setting to change, and
-    exit status 2, before any work."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -134,7 +125,7 @@ class CheckpointManager:
                 without a ``run.json`` (:mod:`~tierstack.checkpointing.family`).
             CheckpointMismatchError: the chosen checkpoint's tokenizer or tensor-shaping model
                 fields differ from this run's (:mod:`~tierstack.checkpointing.compat`).
-            CheckpointUnavailableError: checkpoints exist but none is valid on every rank (unless
+            family.CheckpointUnavailableError: checkpoints exist but none is valid on every rank (unless
                 ``checkpoint.allow_fresh_start_on_invalid``), ``ckpt_step`` names no valid
                 checkpoint, or ``exit_on_missing_checkpoint`` finds nothing (a
                 :class:`~tierstack.errors.BadInputError`: one message, exit status 2).
@@ -175,30 +166,7 @@ class CheckpointManager:
 
     def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection) -> None:
         c = self.cfg
-        if (chosen.quarantined or chosen.missing) and not c.allow_fresh_start_on_invalid:
-            # Collective (the selection is the same on every rank): files quarantined by an earlier
-            # launch are part of the story (a step now "missing" on a rank may be one of them).
-            kept = [f for f in run_family.evidence(list(self._tiers.values())) if ".invalid-" in f]
-            found = "; ".join(chosen.quarantined + chosen.missing
-                              + ([f"found quarantined {', '.join(kept[:8])}"] if kept else []))
-            raise CheckpointUnavailableError(
-                f"checkpoints exist but none can be resumed on every rank ({found}; invalid ones quarantined as "
-                "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), enable "
-                "checkpoint.replication_factor for next time, or set checkpoint.allow_fresh_start_on_invalid=true"
-            )
-        if c.ckpt_step is not None:
-            raise CheckpointUnavailableError(
-                f"checkpoint.ckpt_step={c.ckpt_step}: no valid checkpoint of that step in any tier")
-        found = [] if c.allow_fresh_start_on_invalid else run_family.evidence(list(self._tiers.values()))
-        if found:  # an earlier run of the deciding directories, and nothing of it to resume from
-            shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-            raise CheckpointLoadError(
-                f"an earlier run left files here but no valid checkpoint to resume from (found {shown}); "
-                "starting fresh would silently drop its history. Fix or restore its checkpoints, point "
-                "checkpoint.save/load/local_dir elsewhere, or set checkpoint.allow_fresh_start_on_invalid=true"
-            )
-        if c.exit_on_missing_checkpoint:
-            raise CheckpointUnavailableError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")
+        run_family.check_fresh_start(c, chosen, list(self._tiers.values()))
         run_id = _dist.broadcast_object(uuid.uuid4().hex[:12])
         objs.train_state.run_id = run_id
         # Claim the tier roots for this run now, so a crash before the first GLOBAL save still
