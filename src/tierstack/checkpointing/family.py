@@ -18,6 +18,9 @@ whose checkpoints it holds (``run.json``, see :mod:`layout`). The rule:
    ``checkpoint.allow_fresh_start_on_invalid=true``: however often it is relaunched, a run never
    silently starts over where its history is. Directories that do not decide (an old node-local
    ``local_dir`` beside a fresh GLOBAL directory, rule 1) are not evidence: they are left alone.
+   A run that failed before its first checkpoint left no history: its ``run.json``, leftovers of
+   interrupted saves and the files of an interrupted first save (never sealed on every rank) do
+   not stop the launch; the restart starts fresh under the same run id (:func:`check_fresh_start`).
 
 The tiers are read through their contract
 (:class:`~tierstack.checkpointing.types.CheckpointTierHandler`: ``persistent``, ``run_root``,
@@ -29,11 +32,13 @@ Checkpoints of another family are never resumed, counted by retention or deleted
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 from typing import Optional, Sequence
 
 from tierstack.checkpointing import paths
 from tierstack.checkpointing.global_reader import CheckpointLoadError
-from tierstack.checkpointing.types import CheckpointTierHandler
+from tierstack.checkpointing.types import CheckpointTier, CheckpointTierHandler
 from tierstack.errors import BadInputError
 from tierstack.runtime import collectives as _dist
 
@@ -164,7 +169,7 @@ class CheckpointUnavailableError(BadInputError, CheckpointLoadError):
     exit status 2, before any work."""
 
 
-def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) -> None:
+def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) -> bool:
     """Before a fresh start, on every rank alike (``chosen``, the collective resume selection, is
     the same everywhere): refuse it when it would drop a run's history or ignore a setting.
 
@@ -174,13 +179,20 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) ->
             resume (its ``quarantined`` and ``missing`` say why).
         handlers: the run's tiers.
 
+    Returns:
+        True when an earlier run is recorded here but left nothing of its history (only its
+        ``run.json``, leftovers, files of an interrupted first save: it failed before its first
+        checkpoint): the fresh start continues that run's id, so a restart of the same job is one
+        run. False otherwise (a new run id).
+
     Raises:
         CheckpointUnavailableError: candidates were quarantined or missing on some rank (unless
             ``checkpoint.allow_fresh_start_on_invalid``), ``checkpoint.ckpt_step`` names no valid
-            checkpoint, or ``checkpoint.exit_on_missing_checkpoint`` with nothing found.
-        CheckpointLoadError: an earlier run left files in a deciding directory (rule 4 above).
+            checkpoint, ``checkpoint.exit_on_missing_checkpoint`` with nothing found, or an earlier
+            run left history (trackers, checkpoints in any state) in a deciding directory (rule 4).
     """
-    if (chosen.quarantined or chosen.missing) and not cfg.allow_fresh_start_on_invalid:
+    lost = [m for m in chosen.missing if ": interrupted save" not in m]
+    if (chosen.quarantined or lost) and not cfg.allow_fresh_start_on_invalid:
         # files quarantined by an earlier launch are part of the story (a step now "missing" on a
         # rank may be one of them)
         kept = [f for f in evidence(handlers) if ".invalid-" in f]
@@ -195,12 +207,34 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) ->
         raise CheckpointUnavailableError(
             f"checkpoint.ckpt_step={cfg.ckpt_step}: no valid checkpoint of that step in any tier")
     found = [] if cfg.allow_fresh_start_on_invalid else evidence(handlers)
-    if found:  # an earlier run of the deciding directories, and nothing of it to resume from
-        shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-        raise CheckpointLoadError(
+    history = [f for f in found if not _not_history(f, chosen)]
+    if found and not history and _dist.rank() == 0:
+        log.warning("resume: the earlier run recorded here never completed a checkpoint (found only %s): a fresh "
+                    "start loses nothing of it; starting fresh", "; ".join(found[:8]))
+    if history:  # an earlier run of the deciding directories, and nothing of it to resume from
+        shown = "; ".join(history[:8]) + (f"; and {len(history) - 8} more" if len(history) > 8 else "")
+        raise CheckpointUnavailableError(
             f"an earlier run left files here but no valid checkpoint to resume from (found {shown}); "
             "starting fresh would silently drop its history. Fix or restore its checkpoints, point "
             "checkpoint.save/load/local_dir elsewhere, or set checkpoint.allow_fresh_start_on_invalid=true"
         )
     if cfg.exit_on_missing_checkpoint:
         raise CheckpointUnavailableError("checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found")
+    return bool(found)
+
+
+_LOCAL_NAME = re.compile(r"iter_(\d+)_\d+_local\.")
+
+
+def _not_history(path: str, chosen) -> bool:
+    """Whether ``path`` (an entry of :func:`evidence`) is no part of a run's history: its run record
+    (written at its start, before any checkpoint), a leftover of an interrupted save or deletion, or
+    a LOCAL file of a step that selection found to be an interrupted save (never sealed on every
+    rank). A run that left only these never completed a checkpoint: a restart after a failure
+    before its first save starts fresh instead of stopping (trackers, sealed and quarantined
+    checkpoints are history)."""
+    name = Path(path).name
+    if name == paths.RUN_FILE or paths.is_leftover(name):
+        return True
+    m = _LOCAL_NAME.match(name)
+    return m is not None and (CheckpointTier.LOCAL, int(m.group(1))) in chosen.interrupted

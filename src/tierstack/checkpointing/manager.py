@@ -145,12 +145,12 @@ class CheckpointManager:
         handlers = list(self._tiers.values())
         family = run_family.decide(handlers)
         if family is None:  # a new run: nothing in any tier is ours
-            return self._fresh_start(objs, selection.Selection())
+            return self._fresh_start(objs, selection.Selection(), None)
         for handler in handlers:  # a fresh selection on every start: nothing cached from a previous attempt
             handler.prepare_resume(family)
         chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step)
         if chosen.handler is None:
-            return self._fresh_start(objs, chosen)
+            return self._fresh_start(objs, chosen, family)
         where = f"{chosen.handler.tier.value.upper()} step {chosen.step} ({chosen.handler.run_root})"
         compat.check(chosen.manifest, self.run_config, where)  # before any load: every difference at once
         path = chosen.handler.load(chosen.step, objs)
@@ -164,10 +164,10 @@ class CheckpointManager:
                      info.tier.value, info.step, path, info.seconds, objs.train_state.run_id)
         return info
 
-    def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection) -> None:
+    def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection, family: Optional[str]) -> None:
         c = self.cfg
-        run_family.check_fresh_start(c, chosen, list(self._tiers.values()))
-        run_id = _dist.broadcast_object(uuid.uuid4().hex[:12])
+        same_run = run_family.check_fresh_start(c, chosen, list(self._tiers.values()))
+        run_id = family if same_run and family else _dist.broadcast_object(uuid.uuid4().hex[:12])
         objs.train_state.run_id = run_id
         # Claim the tier roots for this run now, so a crash before the first GLOBAL save still
         # leaves LOCAL checkpoints of a recognisable family.

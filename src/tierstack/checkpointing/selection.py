@@ -40,6 +40,9 @@ class Selection:
     skipped: list[str] = field(default_factory=list)
     # "<tier> step <n>: missing on rank(s) [..]" for steps skipped because some rank holds nothing
     missing: list[str] = field(default_factory=list)
+    # (tier, step) of the missing steps that were interrupted saves (a rank left a ``.dirty`` file):
+    # never sealed on every rank, so never a checkpoint of the run's history
+    interrupted: list[tuple[CheckpointTier, int]] = field(default_factory=list)
     manifest: Optional[dict] = None  # the chosen checkpoint's manifest on this rank (compared before load)
 
 
@@ -62,6 +65,7 @@ def _skip_absent(result: Selection, handler: CheckpointTierHandler, step: int, a
     tier = handler.tier.value
     if interrupted:
         result.missing.append(f"{tier} step {step}: interrupted save (rank(s) {interrupted} left it unfinished)")
+        result.interrupted.append((handler.tier, step))
         handler.abandon(step)
     else:
         result.missing.append(f"{tier} step {step}: missing on rank(s) {absent}")

@@ -113,11 +113,12 @@ def test_replica_retention_removes_what_an_interrupted_store_left_up_to_the_step
 
 
 def _rank1_holds_nothing(monkeypatch, dirty_steps=()):
-    """Simulate a rank 1 in the gathers of selection: no candidates, ``.dirty`` files of ``dirty_steps``."""
+    """Simulate a rank 1 in the gathers of selection: no candidates, ``.dirty`` files of ``dirty_steps``
+    (and no evidence of an earlier run in the gather of ``family.evidence``)."""
     real = collectives.all_gather_object
     rank1 = ({}, {CheckpointTier.LOCAL: list(dirty_steps)})
     monkeypatch.setattr(collectives, "all_gather_object",
-                        lambda obj: real(obj) + [rank1 if isinstance(obj, tuple) else None])
+                        lambda obj: real(obj) + [rank1 if isinstance(obj, tuple) else [] if isinstance(obj, list) else None])
 
 
 def test_a_step_missing_on_a_rank_is_skipped_and_the_files_of_the_others_stay(tmp_path, monkeypatch):
@@ -145,6 +146,28 @@ def test_a_step_another_rank_left_dirty_is_an_interrupted_save_left_for_the_next
     assert chosen.missing == ["local step 10: interrupted save (rank(s) [1] left it unfinished)"]
     assert len(list((tmp_path / "local" / "0").iterdir())) == 2  # nothing renamed or removed at resume
     assert tier._abandoned == {10}
+
+
+def test_an_interrupted_first_save_is_no_history_but_a_step_lost_with_a_node_is(tmp_path, monkeypatch):
+    """A restart after a kill during the run's first LOCAL save (rank 1 left ``.dirty``, rank 0 sealed
+    its part) finds only the run record and that save's files: a fresh start, as the same run. The
+    same files with rank 1's simply gone (a replaced node) are history: refused, naming the ranks."""
+    from tierstack.checkpointing import family
+
+    _write_own(tmp_path / "local", 5)
+    paths.write_run_file(tmp_path / "local", "runA")
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "local"))
+    _rank1_holds_nothing(monkeypatch, dirty_steps=[5])
+    tier = LocalTier(cfg, LAYOUT)
+    chosen = selection.select([tier], family="runA")
+    assert chosen.interrupted == [(CheckpointTier.LOCAL, 5)]
+    assert family.check_fresh_start(cfg, chosen, [tier]) is True
+    monkeypatch.undo()
+    _rank1_holds_nothing(monkeypatch)
+    tier = LocalTier(cfg, LAYOUT)
+    chosen = selection.select([tier], family="runA")
+    with pytest.raises(family.CheckpointUnavailableError, match=r"local step 5: missing on rank\(s\) \[1\]"):
+        family.check_fresh_start(cfg, chosen, [tier])
 
 
 def test_own_dirty_files_name_the_interrupted_steps(tmp_path):
