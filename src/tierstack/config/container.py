@@ -111,7 +111,8 @@ class ConfigContainer:
         """``{name: section}`` of every enabled section (an off optional section is left out)."""
         return {name: getattr(self, name) for name in SECTION_TYPES if getattr(self, name) is not None}
 
-    def validate(self, world_size: Optional[int] = None, ranks_per_node: Optional[int] = None) -> None:
+    def validate(self, world_size: Optional[int] = None, ranks_per_node: Optional[int] = None,
+                 check_paths: bool = True) -> None:
         """Check everything that can be checked before launch; raise every problem at once.
 
         Each section checks its own fields (``problems()`` of each section); this adds the rules
@@ -121,6 +122,9 @@ class ConfigContainer:
             world_size: number of ranks; defaults to ``$WORLD_SIZE`` or 1.
             ranks_per_node: ranks on each node; defaults to ``$LOCAL_WORLD_SIZE`` (torchrun's), else
                 ``world_size`` (one node).
+            check_paths: also check the checkpoint directories as this process sees them
+                (``CheckpointConfig.path_problems``); False in a rank of several, whose setup
+                checks them on every rank collectively (they can differ between nodes).
 
         Raises:
             ConfigError: listing each problem with the field to change.
@@ -140,6 +144,8 @@ class ConfigContainer:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
         p += self._validate_replication(world_size, ranks_per_node)
         c = self.checkpoint
+        if c is not None and check_paths:
+            p += c.path_problems()
         if c is not None and c.save_on_best and not (t.eval_interval and t.eval_iters >= 1):
             p.append("checkpoint.save_on_best needs validation: set train.eval_interval (and train.eval_iters >= 1)")
         if p:

@@ -302,7 +302,16 @@ class CheckpointConfig(_Section):
             p += _pretrained_problems(self.pretrained_checkpoint)
         if self.exit_on_missing_checkpoint and self.load is None and self.save is None and self.local_dir is None:
             p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
-        for name in ("save", "local_dir"):  # before any rank starts work, not deep inside a save
+        return p
+
+    def path_problems(self) -> list[str]:
+        """The checkpoint directories as this process sees them: ``save`` and ``local_dir``
+        creatable and writable, ``load`` readable. Checked before any rank starts work, not deep
+        inside a save. They can differ between nodes (a node-local disk, a mount missing on one
+        node), so with several ranks every rank checks its own and the ranks agree
+        (:func:`tierstack.training.setup` after the process groups exist)."""
+        p = []
+        for name in ("save", "local_dir"):
             problem = writable_dir_problem(getattr(self, name))
             if problem:
                 p.append(f"checkpoint.{name}={getattr(self, name)}: {problem}")

@@ -74,7 +74,9 @@ def run(
     world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = config_fn().apply_overrides(overrides)
-        config.validate(world_size)
+        # several ranks under torchrun: the directories are checked by every rank in setup, together
+        # (a node-local directory can be fine on one node and not on another)
+        config.validate(world_size, check_paths=nproc is not None or not under_torchrun() or world_size == 1)
     except ConfigError as exc:
         _report(str(exc))
         return CONFIG_ERROR_STATUS

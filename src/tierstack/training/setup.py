@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 import torch
 
 from tierstack import runtime
-from tierstack.config import ConfigContainer
+from tierstack.config import ConfigContainer, ConfigError
 from tierstack.errors import BadInputError
 from tierstack.runtime import collectives
 from tierstack.train_state import TrainState
@@ -90,6 +90,31 @@ def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: Train
     return train_it, valid_it
 
 
+def _check_paths_on_every_rank(cfg: ConfigContainer, layout: runtime.ParallelLayout) -> None:
+    """Collective: every rank checks the checkpoint directories as its node sees them
+    (``CheckpointConfig.path_problems``) and all ranks raise the same error when any rank found a
+    problem, naming the field and the ranks (a node-local ``local_dir`` that is a file on one node,
+    a GLOBAL mount missing on another). Without this, the rank with the bad directory stopped alone
+    before the process groups existed and the others waited for it until ``distributed.timeout_s``.
+
+    Raises:
+        ConfigError: on every rank, each problem once with the ranks that found it.
+    """
+    if cfg.checkpoint is None:
+        return
+    import socket
+
+    mine = cfg.checkpoint.path_problems()
+    seen = collectives.all_gather_object((mine, socket.gethostname()) if mine else None)
+    by_problem: dict[str, list[str]] = {}
+    for rank, view in enumerate(seen):
+        if view is not None:
+            for problem in view[0]:
+                by_problem.setdefault(problem, []).append(f"{rank} on {view[1]}")
+    if by_problem:
+        raise ConfigError([f"{problem} (rank(s) {', '.join(where)})" for problem, where in by_problem.items()])
+
+
 def setup(cfg: ConfigContainer, closers: Optional[contextlib.ExitStack] = None) -> SetupOutput:
     """Validate, initialise ranks, build model/optimizer/scheduler, resume, then data and loggers.
 
@@ -106,7 +131,8 @@ def setup(cfg: ConfigContainer, closers: Optional[contextlib.ExitStack] = None) 
         ConfigError: the config is invalid (before any process group is created).
         Errors of the checkpoint layer when checkpoints exist but none is valid.
     """
-    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world_size, check_paths=world_size == 1)  # several ranks: checked together, below
     with contextlib.ExitStack() as own:
         out = _setup(cfg, closers if closers is not None else own)
         own.pop_all()  # success: the resources outlive setup
@@ -141,6 +167,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     from tierstack.models.gpt import gpt_model_provider, model_vocab_size
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler, wire_model_config
 
+    _check_paths_on_every_rank(cfg, layout)
     tokenizer = build_tokenizer(cfg.tokenizer)
     # Before any run artifact (checkpoint directories, the mlflow run): bad data stops every rank here.
     check_training_data(cfg.dataset, tokenizer)

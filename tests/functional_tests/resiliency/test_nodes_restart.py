@@ -1,6 +1,7 @@
 """``--max-restarts`` on two simulated nodes: a rank SIGKILLed mid-run brings the job back by itself."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,25 @@ def test_a_rank_killed_before_the_first_checkpoint_restarts_the_job_fresh_as_the
         lines = [json.loads(x) for x in (tmp_path / f"losses_rank{rank}.jsonl").read_text().splitlines()]
         assert [x["step"] for x in lines] == [1, 2] + list(range(1, 13))
         assert [x["loss"] for x in lines[:2]] == [x["loss"] for x in lines[2:4]]  # the same start, redone
+
+
+@pytest.mark.slow
+def test_a_node_local_directory_that_is_bad_on_one_node_stops_every_rank_at_once_naming_it(tmp_path):
+    """node 1's ``checkpoint.local_dir`` is a file: valid on node 0, not on node 1. Every rank stops
+    with exit status 2 (each agent then exits 1, torchrun's status for a failed rank) and one message naming the field, the directory and the rank, in seconds (the
+    rank that found it used to exit alone and silently, the other waiting for it in the rendezvous
+    until ``distributed.timeout_s``)."""
+    run = tmp_path / "run"
+    (run / "node1").mkdir(parents=True)
+    (run / "node1" / "local").write_text("not a directory")
+    t0 = time.monotonic()
+    proc = run_nodes(["gpt_tiny", f"logger.run_dir={run}", f"checkpoint.save={run}/global",
+                      "distributed.tensor_model_parallel_size=1", "train.micro_batch_size=4",
+                      "distributed.timeout_s=120", "mlflow=null", "straggler=null"], timeout=100)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and log.count("exitcode  : 2") == 2, log[-6000:]  # torchrun: 1; each rank: 2
+    assert time.monotonic() - t0 < 60
+    assert f"checkpoint.local_dir={run}/node1/local: {run}/node1/local is not a directory (rank(s) 1 on " in log, log[-6000:]
+    assert "invalid configuration (1 problem(s))" in log  # node 0's directory is fine
+    assert "rank 1 stopped: bad input (rank 0 says which)" in log
+    assert not (run / "global" / "run.json").exists()  # nothing of a run was written
