@@ -200,8 +200,9 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) ->
                           + ([f"found quarantined {', '.join(kept[:8])}"] if kept else []))
         raise CheckpointUnavailableError(
             f"checkpoints exist but none can be resumed on every rank ({found}; invalid ones quarantined as "
-            "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), enable "
-            "checkpoint.replication_factor for next time, or set checkpoint.allow_fresh_start_on_invalid=true"
+            "*.invalid-<reason>, missing ones left alone); restore them (or a GLOBAL checkpoint), "
+            + ("" if cfg.replication_factor > 1 else "enable checkpoint.replication_factor for next time, ")
+            + "or set checkpoint.allow_fresh_start_on_invalid=true"
         )
     if cfg.ckpt_step is not None:
         raise CheckpointUnavailableError(

@@ -201,7 +201,7 @@ class ConfigContainer:
         if f > nodes:
             p.append(f"checkpoint.replication_factor={f} is larger than the number of nodes ({nodes}: "
                      f"{world_size} ranks, {ranks_per_node} per node): a replica on the same node dies with it")
-        if world_size % (jump * f):
+        if world_size % (jump * f) and not (p and c.replication_jump is None):  # the factor said it, unless a jump was set
             p.append(f"checkpoint.replication_jump={jump} does not fit: world size {world_size} must be divisible "
                      f"by replication_jump * replication_factor = {jump * f}")
         return p

@@ -33,6 +33,7 @@ def test_replication_is_checked_against_nodes_and_world_size_naming_the_field():
     with pytest.raises(ConfigError) as err:
         _config(replication_factor=3).validate(world_size=4, ranks_per_node=2)
     assert "checkpoint.replication_factor=3 is larger than the number of nodes (2" in str(err.value)
+    assert err.value.problems == [p for p in err.value.problems if "replication_factor=3" in p]  # one problem, the set field
     with pytest.raises(ConfigError) as err:
         _config(replication_factor=2, replication_jump=3).validate(world_size=4, ranks_per_node=2)
     assert "checkpoint.replication_jump=3 does not fit: world size 4" in str(err.value)
