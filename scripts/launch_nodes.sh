@@ -62,6 +62,9 @@ LOCAL_ROOT="${LOCAL_ROOT:-$RUN_DIR}"
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 RDZV_ID="tierstack-$$-$PORT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# The agents are torchrun processes: they import torch without tierstack's warning filters
+# (runtime/known_warnings.py), and each printed torch's pynvml deprecation notice.
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:The pynvml package is deprecated:FutureWarning:torch.cuda}"
 # A fresh TCPStore per rendezvous round. torchrun (2.13) shares one store across rounds by default
 # and the ranks' process-group keys are not prefixed per attempt: after a restart, a rank can read
 # the address its peer had before the restart and fail with "Gloo connectFullMesh failed ...

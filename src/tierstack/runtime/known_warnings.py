@@ -3,7 +3,8 @@
 On a CPU, megatron-core 0.16.1 warns on every rank that Transformer Engine and Apex are missing (six
 times, at the import of each module with a fused kernel) and that ``CUDA_DEVICE_MAX_CONNECTIONS``
 is unset (a CUDA stream setting); torch warns at import that the ``pynvml`` package (an
-nvidia-resiliency-ext dependency) is deprecated. None of them changes what a CPU run computes.
+nvidia-resiliency-ext dependency) is deprecated, and at every LOCAL replica exchange that
+nvidia-resiliency-ext calls a deprecated helper. None of them changes what a run computes.
 :func:`install_import_filters` and :func:`install_cpu_filters` ignore exactly those warnings, each
 matched by its message and the module that issues it; every other warning stays visible.
 :func:`absent_gpu_packages` gives the one line a run prints instead.
@@ -21,6 +22,13 @@ import warnings
 _IMPORT_TIME = (
     # torch.cuda imports pynvml at import; nvidia-resiliency-ext depends on that package.
     (r"The pynvml package is deprecated", FutureWarning, r"torch\.cuda\Z"),
+    # nvidia-resiliency-ext 0.4.1's replication (its copy of torch's object collectives) asks torch
+    # for a group's device through a helper torch now deprecates, which also warns when the group
+    # has both a CPU and a GPU backend: two warnings per exchange and retrieval, about their code.
+    (r"`_get_pg_default_device` will be deprecated", UserWarning,
+     r"nvidia_resiliency_ext\.checkpointing\.local\.replication\._torch_future\Z"),
+    (r"Multiple backends are registered with this ProcessGroup", UserWarning,
+     r"nvidia_resiliency_ext\.checkpointing\.local\.replication\._torch_future\Z"),
 )
 _CPU_ONLY = (
     # megatron/core/{optimizer/__init__,optimizer/optimizer,optimizer/clip_grads}.py and

@@ -29,6 +29,19 @@ def test_megatron_cpu_notices_are_filtered(message, module):
     assert not _shown(message, UserWarning, module)
 
 
+NVRX_REPLICATION = "nvidia_resiliency_ext.checkpointing.local.replication._torch_future"
+
+
+@pytest.mark.parametrize("message", [
+    "`_get_pg_default_device` will be deprecated, it only stays for backward-compatibility reason. ",
+    "Multiple backends are registered with this ProcessGroup. We cannot determine which one is the default. "
+    "Returning cpu. Please consider using other APIs.",
+])
+def test_nvrx_replication_deprecation_notices_are_filtered_there_only(message):
+    assert not _shown(message, UserWarning, NVRX_REPLICATION)
+    assert _shown(message, UserWarning, "my_package.collectives")
+
+
 def test_pynvml_notice_of_torch_cuda_is_filtered():
     assert not _shown("The pynvml package is deprecated. Please install nvidia-ml-py instead.", FutureWarning, "torch.cuda")
 
