@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+from tierstack.checkpointing.replication import REPLICAS_DIR
 from tierstack.checkpointing import best, manifest, paths
 
 _HEADER = ("tier", "step", "size", "files", "valid", "consumed", "metric", "mark", "run", "path / problem")
@@ -182,7 +183,7 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
         problems = [f"rank {r}: {p}" for r, _, p in entries if p is not None]
         man = next((m for _, m, _ in entries if m), None)
         size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
-        where = f"{len(entries)} rank files"
+        where = f"{len(entries)} rank file{'s' if len(entries) != 1 else ''}"
         if len(entries) != len(ranks) and step in interrupted_steps and not problems:
             rows.append(_row("local", step, size, len(entries), None, man,
                              f"{where}: interrupted save, sealed on {len(entries)} of {len(ranks)} ranks", "leftover"))
@@ -194,6 +195,39 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
         kind = "quarantined" if ".invalid-" in f.name else "leftover"
         step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
         rows.append(_row("local", step[0] if step else "-", 0, 1, kind, None, f"{f.parent.name}/{f.name}", kind))
+    return rows + _replica_rows(root / REPLICAS_DIR, checksums)
+
+
+def _replica_rows(folder: Path, checksums: bool) -> list[tuple]:
+    """One row per step of the replicas this node keeps for ranks on other nodes
+    (``replicas/<owner>/``, ``checkpoint.replication_factor``): each file checked against its
+    owner's manifest like an own file (a damaged one is listed invalid: resume would refuse it)."""
+    if not folder.is_dir():
+        return []
+    per_step: dict[int, list] = defaultdict(list)
+    rows = []
+    for owner_dir in sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+        for f in sorted(owner_dir.iterdir()):
+            parsed = paths.parse_local_file(f.name)
+            if parsed is None:
+                if paths.is_leftover(f.name.lstrip(".")):
+                    step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
+                    rows.append(_row("local", step[0] if step else "-", 0, 1, "leftover", None,
+                                     f"{REPLICAS_DIR}/{owner_dir.name}/{f.name}", "leftover"))
+                continue
+            man = paths.read_json(f.with_name(paths.local_manifest_name(*parsed)))
+            problem = manifest.check_manifest(man, step=parsed[0])
+            if problem is None:
+                problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
+            per_step[parsed[0]].append((parsed[1], man, problem))
+    for step in paths.sorted_steps(per_step):
+        entries = per_step[step]
+        problems = [f"replica of rank {o}: {p}" for o, _, p in entries if p is not None]
+        man = next((m for _, m, _ in entries if m), None)
+        size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
+        where = f"replica(s) of rank(s) {[o for o, _, _ in entries]}"
+        rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, where,
+                         None if problems else "replica"))
     return rows
 
 
@@ -224,8 +258,10 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     for r in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     bad = sum(1 for r in rows if r[4] == "NO")
-    others = len(rows) - sum(1 for r in rows if r[4] in ("yes", "NO"))
-    lines.append(f"{len(rows) - others} checkpoint(s), {bad} invalid"
+    replicas = sum(1 for r in rows if r[4] == "replica")
+    others = len(rows) - replicas - sum(1 for r in rows if r[4] in ("yes", "NO"))
+    lines.append(f"{len(rows) - others - replicas} checkpoint(s), {bad} invalid"
+                 + (f"; {replicas} step(s) of valid replicas kept for other nodes" if replicas else "")
                  + (f"; {others} leftover/quarantined (not checkpoints; the next save cleans leftovers)" if others else "")
                  + ("" if checksums else " (sizes only; `verify` checks checksums)"))
     lines += [f"DISAGREE: {p}" for p in disagree]

@@ -113,6 +113,28 @@ def test_replica_retention_removes_what_an_interrupted_store_left_up_to_the_step
     assert not newer.exists()
 
 
+def test_verify_checks_the_replicas_a_node_keeps(tmp_path):
+    """``tierstack checkpoints verify <local_dir>`` lists the replicas kept for other nodes and
+    fails on a damaged one (resume would refuse it), as on a damaged own file."""
+    from tierstack.checkpointing import listing
+
+    _write_own(tmp_path / "node0", 10, rank=0)
+    store = local_replicas.ReplicaStore(tmp_path / "node0", 0)
+    _, man, data = _write_own(tmp_path / "node1", 10, rank=1)
+    store.store(FileReplica(1, 10, man, data))
+    text, status = listing.verify(str(tmp_path / "node0"))
+    assert status == 0 and "1 checkpoint(s), 0 invalid; 1 step(s) of valid replicas kept for other nodes" in text
+    assert [line.split()[-3:] for line in text.splitlines() if line.startswith("local ")] == [
+        ["1", "rank", "file"], ["of", "rank(s)", "[1]"]]
+    assert "replica(s) of rank(s) [1]" in text
+    ckpt = store.paths(10, 1)[0]
+    raw = bytearray(ckpt.read_bytes())
+    raw[5] ^= 0xFF
+    ckpt.write_bytes(bytes(raw))
+    text, status = listing.verify(str(tmp_path / "node0"))
+    assert status == 1 and "replica of rank 1: checksum-mismatch" in text, text
+
+
 def _rank1_holds_nothing(monkeypatch, dirty_steps=()):
     """Simulate a rank 1 in the gathers of selection: no candidates, ``.dirty`` files of ``dirty_steps``
     (and no evidence of an earlier run in the gather of ``family.evidence``)."""
