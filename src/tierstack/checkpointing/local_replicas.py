@@ -17,6 +17,13 @@ Layout under ``checkpoint.local_dir`` (beside the rank folders)::
 - :class:`LocalReplication` is what the LOCAL tier holds: the two above, the replicas' removal and
   retention, and where the exchange runs (writer thread on CPU, finalize on GPU).
 
+Which node a rank runs on is not fixed: torchrun's rendezvous decides which agent becomes which
+node (``GROUP_RANK``) at every launch and restart, and a requeued job may land on other hosts. So
+at resume, before the holdings are gathered, :meth:`ReplicaStore.normalize` (one rank per node)
+puts what the node-local root holds where this launch's layout looks for it: a rank's own file
+found under ``replicas/<rank>`` of its own node becomes its own file again, and the own folder of a
+rank that now runs on another node is held for it as replicas (see :func:`retrieve_for_resume`).
+
 Nothing is cached between calls: every (re)start looks at the disk afresh.
 """
 
@@ -26,7 +33,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -38,16 +45,51 @@ from tierstack.runtime import collectives as _dist
 log = logging.getLogger(__name__)
 
 
+def _manifest_step(name: str, owner: int) -> Optional[int]:
+    """The step of ``owner``'s LOCAL manifest named ``name``; None for any other name."""
+    if not name.endswith("_local.manifest.json"):
+        return None
+    parsed = paths.parse_local_file(name[: -len(".manifest.json")] + ".pt")
+    return parsed[0] if parsed is not None and parsed[1] == owner else None
+
+
+def _rank_dirs(folder: Path) -> list[Path]:
+    """The sub-folders of ``folder`` named by a rank (none when ``folder`` does not exist)."""
+    if not folder.is_dir():
+        return []
+    return sorted((d for d in folder.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """``src`` renamed to ``dst`` durably (both folders fsync'd), never over an existing file."""
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; {src} not moved over it")
+    src.rename(dst)
+    paths.fsync_dir(dst.parent)
+    paths.fsync_dir(src.parent)
+
+
 class ReplicaStore:
     """Files of one LOCAL root: this rank's own folder and the replicas it keeps for its clique.
 
     Args:
         root: ``checkpoint.local_dir``.
         rank: this global rank.
+        node_ranks: the global ranks of this node, which share ``root`` (default: this rank alone).
+            Their own folders ``<root>/<r>`` belong here; any other rank's own folder is a leftover
+            of a launch that put that rank on this node (:meth:`normalize`).
+        kept_for: the owners whose replicas some rank of this node keeps (the other members of the
+            node's ranks' cliques); None: every rank not of this node.
     """
 
-    def __init__(self, root: Path, rank: int):
+    def __init__(self, root: Path, rank: int, node_ranks: Sequence[int] = (), kept_for: Optional[set[int]] = None):
         self.root, self.rank = Path(root), rank
+        self.node_ranks = tuple(node_ranks) or (rank,)
+        self.kept_for = kept_for
+
+    def _keeps(self, owner: int) -> bool:
+        """Whether ``replicas/<owner>`` is kept by a rank of this node (and pruned by it)."""
+        return owner not in self.node_ranks if self.kept_for is None else owner in self.kept_for
 
     def folder(self, owner: int) -> Path:
         """Where ``owner``'s files are on this node: its own rank folder, or ``replicas/<owner>``."""
@@ -61,10 +103,7 @@ class ReplicaStore:
         """Ids (``"<step>:<owner>"``) of the files this rank holds, own and replicas, of ``run_id``
         with a well-formed manifest and a file of the recorded size (the checksum is checked by
         whoever uses the bytes)."""
-        owners = [self.rank]
-        rep = self.root / REPLICAS_DIR
-        if rep.is_dir():
-            owners += [int(p.name) for p in rep.iterdir() if p.is_dir() and p.name.isdigit()]
+        owners = [self.rank] + [int(d.name) for d in _rank_dirs(self.root / REPLICAS_DIR) if int(d.name) != self.rank]
         out = []
         for owner in owners:
             folder = self.folder(owner)
@@ -107,6 +146,90 @@ class ReplicaStore:
         man_path.unlink(missing_ok=True)  # the manifest goes last: a file without one is no candidate
         local_file.write_raw(ckpt, replica.data)
         manifest.write_manifest(man_path, replica.manifest)
+
+    def normalize(self, run_id: str) -> list[str]:
+        """At resume, before the holdings are gathered: move the files of ``run_id`` that this node
+        holds to where this launch's layout looks for them. Returns one line per folder moved from.
+
+        Called on one rank of the node only (local rank 0; the others wait at a barrier), since the
+        ranks of a node share the root. The rendezvous may give this node another node's index than
+        at the launch that wrote the files (see the module docstring), so the root may hold:
+
+        - ``replicas/<r>`` with ``r`` a rank of this node (and kept by none of its ranks: a
+          ``replication_jump`` below the ranks per node makes cliques within a node): ``r``'s own
+          files, replicated here while this disk belonged to another node. A replica on the
+          owner's own node is no replica: each step ``<root>/<r>`` lacks is moved there and is
+          ``r``'s own file again.
+        - ``<root>/<o>`` with ``o`` a rank of another node now: ``o``'s own files, written while ``o``
+          ran on this disk. This node holds them for ``o`` as replicas: each step ``replicas/<o>``
+          lacks is moved there (offered to ``o`` by :meth:`holdings`, pruned as replicas are).
+
+        A step the destination has already (file or manifest) stays where it is, as does every file
+        of another run; :meth:`prune_strays` removes them once a newer step is sealed. A file moves
+        before its manifest, so a file without its manifest (no candidate anywhere) is all a crash
+        between the two renames leaves, and the next resume completes that move.
+        """
+        moves = [(d, self.root / REPLICAS_DIR / d.name, "held as a replica for that rank now on another node")
+                 for d in _rank_dirs(self.root) if int(d.name) not in self.node_ranks]
+        moves += [(d, self.root / d.name, "adopted as that rank's own file (a replica on the owner's own node)")
+                  for d in _rank_dirs(self.root / REPLICAS_DIR)
+                  if int(d.name) in self.node_ranks and not self._keeps(int(d.name))]
+        lines = []
+        for src, dst, why in moves:
+            owner = int(src.name)
+            moved, kept = [], []
+            for step in sorted(s for s in (_manifest_step(p.name, owner) for p in src.iterdir()) if s is not None):
+                man = paths.read_json(src / paths.local_manifest_name(step, owner))
+                if manifest.check_manifest(man, step=step) is not None or man.get("run_id") != run_id:
+                    continue  # another run's, or not a checkpoint: left alone
+                (moved if self._move_step(src, dst, step, owner) else kept).append(step)
+            if moved:
+                lines.append(f"LOCAL step(s) {moved} of rank {owner} found under {src} on the node of rank(s) "
+                             f"{list(self.node_ranks)}: moved to {dst}, {why}")
+            if kept:
+                lines.append(f"LOCAL step(s) {kept} of rank {owner} found under {src}: left in place ({dst} has "
+                             "a file of each already), removed by retention")
+            try:
+                src.rmdir()  # only when empty
+            except OSError:
+                pass
+        return lines
+
+    @staticmethod
+    def _move_step(src: Path, dst: Path, step: int, owner: int) -> bool:
+        """``owner``'s file, then manifest, of ``step`` from ``src`` to ``dst``; False (nothing moved)
+        when ``dst`` has that step already. A file already in ``dst`` without its manifest, and none
+        in ``src``, is an earlier move a crash interrupted: only the manifest is left to move."""
+        f_src, f_dst = src / paths.local_file_name(step, owner), dst / paths.local_file_name(step, owner)
+        m_src, m_dst = src / paths.local_manifest_name(step, owner), dst / paths.local_manifest_name(step, owner)
+        if m_dst.exists() or (f_dst.exists() and f_src.exists()):
+            return False
+        if f_src.exists():
+            dst.mkdir(parents=True, exist_ok=True)
+            _rename(f_src, f_dst)
+        elif not f_dst.exists():
+            return False  # a manifest without its file: not a checkpoint
+        _rename(m_src, m_dst)
+        return True
+
+    def prune_strays(self, run_id: str, step: int, k: int) -> None:
+        """Retention, on one rank of the node (local rank 0), of what no rank of the node prunes as
+        its own files or its clique's replicas: another node's rank's own folder, and the replicas
+        no rank of this node keeps (``replicas/<r>`` of a rank of this node, or of a rank in none of
+        the node's ranks' cliques). :meth:`normalize` leaves such files where a step was held
+        twice; they are surplus once a newer step is sealed (every rank's file and its replicas are
+        where they belong), so every step of ``run_id`` older than ``step`` goes
+        (``most_recent_k`` = -1, keep all, keeps them too), and so do the interrupted writes and
+        stores there. Another run's files stay. An empty folder is removed."""
+        strays = [d for d in _rank_dirs(self.root) if int(d.name) not in self.node_ranks]
+        strays += [d for d in _rank_dirs(self.root / REPLICAS_DIR) if not self._keeps(int(d.name))]
+        for folder in strays:
+            retention.prune_local(folder, int(folder.name), run_id, step, min(k, 1))
+            retention.prune_leftovers_upto(folder, step)
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                pass
 
     def remove_replicas(self, step: int, owners) -> None:
         for owner in owners:
@@ -214,10 +337,23 @@ def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str
     receive it and check it. When a received copy is damaged anywhere, the ranks move on to the
     next older step that every rank can obtain (the damaged copy is never written).
 
+    First, one rank per node (the first of ``store.node_ranks``) moves the node's files to where
+    this launch's layout looks for them (:meth:`ReplicaStore.normalize`: the rendezvous may have
+    given this node's disk to another node index), and the others wait at a barrier before they
+    look at the disk: the ranks of a node share its root.
+
     Returns:
         The step every rank now holds, or None (nothing every rank can obtain: selection then
         skips LOCAL steps that some rank misses and falls back to GLOBAL).
     """
+    if store.rank == store.node_ranks[0]:
+        try:
+            for line in store.normalize(run_id):
+                log.warning("resume: %s", line)
+        except OSError as e:  # what was not moved is not found below: logged, and the resume goes on
+            log.error("resume: LOCAL files under %s not moved to where rank(s) %s look for them: %s", store.root,
+                      list(store.node_ranks), e)
+    _dist.barrier()
     held = _dist.all_gather_object(store.holdings(run_id))
     steps = _obtainable(held, clique_groups(replicator.world_size, replicator.factor, replicator.jump))
     if not steps and any(held) and _dist.rank() == 0:
@@ -272,6 +408,8 @@ class LocalReplication:
         root: ``checkpoint.local_dir``.
         factor / jump: ``checkpoint.replication_factor`` / ``replication_jump`` (resolved).
         rank / world_size: this rank and the job's size.
+        local_rank / ranks_per_node: this rank's index on its node and the ranks of each node (the
+            node's ranks share ``root``; local rank 0 tidies it at resume, see :meth:`ReplicaStore.normalize`).
         on_writer: exchange on the writer thread (True on CPU).
         writer_timeout_s: ``checkpoint.async_write_timeout_s``: the writers' clique groups wait
             that long for the slowest member's write, as the training thread does.
@@ -286,9 +424,12 @@ class LocalReplication:
     """
 
     def __init__(self, root: Path, factor: int, jump: int, rank: int, world_size: int, *, on_writer: bool,
-                 writer_timeout_s: float = 1800.0):
+                 writer_timeout_s: float = 1800.0, local_rank: int = 0, ranks_per_node: int = 1):
         self.replicator = Replicator(factor, jump, rank, world_size)
-        self.store = ReplicaStore(root, rank)
+        node = set(range(rank - local_rank, rank - local_rank + ranks_per_node))  # torchrun: node-major ranks
+        cliques = [g for g in clique_groups(world_size, factor, jump) if node & set(g)]
+        kept_for = {o for g in cliques for o in g if node & (set(g) - {o})}  # by another member on this node
+        self.store = ReplicaStore(root, rank, sorted(node), kept_for)
         self.on_writer = on_writer
         self._writer_timeout_s = writer_timeout_s
         self._writer: Optional[Replicator] = None  # the writers' exchange (own clique groups)
@@ -351,8 +492,11 @@ class LocalReplication:
             log.error("LOCAL replicas of %s step %d on rank %d not removed: %s", what, step, self.store.rank, e)
 
     def prune(self, run_id: str, step: int, k: int) -> None:
-        """Retention of the replicas this rank keeps (most_recent_k, as for its own files)."""
+        """Retention of the replicas this rank keeps (most_recent_k, as for its own files); on local
+        rank 0 also of the files no rank of the node keeps (:meth:`ReplicaStore.prune_strays`)."""
         self.store.prune(self.replicator.clique, run_id, step, k)
+        if self.store.rank == self.store.node_ranks[0]:
+            self.store.prune_strays(run_id, step, k)
 
     def retrieve_for_resume(self, run_id: str) -> Optional[int]:
         """Collective: :func:`retrieve_for_resume` with this rank's clique and store."""

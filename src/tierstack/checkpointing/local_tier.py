@@ -83,7 +83,8 @@ class LocalTier(StagedTier):
             self._replication = local_replicas.LocalReplication(
                 self.root, cfg.replication_factor, cfg.replication_jump or parallel_layout.ranks_per_node,
                 parallel_layout.rank, parallel_layout.world_size, on_writer=not runtime.has_gpu(),
-                writer_timeout_s=cfg.async_write_timeout_s)
+                writer_timeout_s=cfg.async_write_timeout_s, local_rank=parallel_layout.local_rank,
+                ranks_per_node=parallel_layout.ranks_per_node)
 
     @property
     def enabled(self) -> bool:
@@ -288,8 +289,10 @@ class LocalTier(StagedTier):
 
     # ------------------------------------------------------------------ resume
     def prepare_resume(self, run_id: str) -> None:
-        """Collective: with replication, the ranks that miss their file of the newest step every
-        rank can obtain retrieve it from a replica (:func:`local_replicas.retrieve_for_resume`)."""
+        """Collective: with replication, each node's files are first moved to where this launch's
+        layout looks for them (the rendezvous may have given the node another index), then the ranks
+        that miss their file of the newest step every rank can obtain retrieve it from a replica
+        (:func:`local_replicas.retrieve_for_resume`)."""
         self._verified.clear()  # every (re)start selects afresh: nothing read before counts
         if self._replication is not None:
             self._replication.retrieve_for_resume(run_id)

@@ -4,6 +4,8 @@ With ``checkpoint.replication_factor=2`` the relaunch retrieves rank 1's LOCAL s
 replica on node 0 and goes on bit for bit; when that replica is damaged, the copy is refused and
 the ranks take the older step 5 from the replicas; without replicas the same loss cannot resume from
 LOCAL: the error names the rank that misses step 10, and no good file on the surviving node is renamed.
+When the relaunch gives each node the other's disk (the rendezvous decides which agent becomes which
+node), every file is still on the right node, only in the other folder: the run resumes from LOCAL.
 """
 
 import json
@@ -90,6 +92,44 @@ def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_mis
     after = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and "local" in p.parts)
     assert after == before and not any(".invalid-" in p for p in after)  # no good file renamed
     assert any(p.endswith("iter_0000010_0_local.pt") for p in after)
+
+
+@pytest.mark.slow
+def test_nodes_that_swapped_disks_resume_from_local_bit_for_bit(tmp_path):
+    """Issue 9. The rendezvous gives node indices anew at every launch (and a requeued job lands on
+    other hosts), so node 0's ranks may find node 1's disk: their own files under ``replicas/<rank>``
+    and the other node's rank folder. Simulated by swapping the two node-local directories between
+    a launch killed after step 12 (LOCAL steps 5 and 10 sealed and replicated, no GLOBAL) and the
+    relaunch, which must move the files into place, resume from step 10 and go on bit for bit."""
+    proc, log = _launch(tmp_path, "killed", "checkpoint.replication_factor=2",
+                        env={"TIERSTACK_TEST_KILL_AT": "12", "TIERSTACK_TEST_KILL_NODE": "1"})
+    assert proc.returncode != 0, log[-5000:]
+    assert "LOCAL checkpoint of step 10 sealed on every rank" in log, log[-5000:]
+    reference = {rank: _losses(tmp_path, rank, "killed") for rank in (0, 1)}
+    # where each rank ran (the agents keep their node index across launches: torchrun sorts them by pid)
+    node = {r: next(d for d in (tmp_path / "run").glob("node*") if (d / "local" / str(r)).is_dir()) for r in (0, 1)}
+    swap = tmp_path / "run" / "swap"
+    node[0].rename(swap), node[1].rename(node[0]), swap.rename(node[1])
+    assert (node[0] / "local" / "replicas" / "0" / "iter_0000010_0_local.pt").is_file()  # rank 0's, a replica there
+
+    proc, log = _launch(tmp_path, "swapped", "checkpoint.replication_factor=2")
+    assert proc.returncode == 0, log[-5000:]
+    # (before the fix (#9): no rank found a file of its own, so the run started fresh and dropped steps 1-10)
+    assert "resumed from LOCAL checkpoint at iteration 10" in log, log[-5000:]
+    assert "FINAL step=12 resumed_from=[10]" in log
+    for rank, other in ((0, 1), (1, 0)):  # on its node: its own files as replicas, and the other rank's folder
+        root = node[rank] / "local"
+        assert f"LOCAL step(s) [5, 10] of rank {rank} found under {root}/replicas/{rank} on the node of rank(s) " \
+               f"[{rank}]: moved to {root}/{rank}, adopted" in log, log[-5000:]
+        assert f"LOCAL step(s) [5, 10] of rank {other} found under {root}/{other} on the node of rank(s) [{rank}]: " \
+               f"moved to {root}/replicas/{other}, held as a replica" in log, log[-5000:]
+    assert "retrieved from rank" not in log  # every file was on its node
+    for rank in (0, 1):
+        expected = {s: v for s, v in reference[rank].items() if s > 10}
+        assert _losses(tmp_path, rank, "swapped") == expected and sorted(expected) == [11, 12]  # float hex: bit for bit
+    layout = sorted(str(p.relative_to(node[0])) for p in node[0].rglob("iter_*"))
+    assert layout == [f"local/{d}/iter_00000{s:02d}_{r}_local.{x}" for d, r in (("0", 0), ("replicas/1", 1))
+                      for s in (5, 10) for x in ("manifest.json", "pt")]  # the other rank's folder is gone
 
 
 @pytest.mark.slow

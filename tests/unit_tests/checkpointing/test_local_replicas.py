@@ -1,6 +1,7 @@
 """LOCAL replicas and missing steps, single process: config rules, which step every rank can obtain,
 replica files checked end to end, missing steps skipped (not quarantined), the quarantine budget."""
 
+import dataclasses
 import os
 import time
 
@@ -213,3 +214,109 @@ def test_quarantined_files_beyond_the_budget_are_removed_oldest_first(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.pt.invalid-x", "c.pt.invalid-x", "keep.pt"]
     retention.prune_quarantined(tmp_path, 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.pt"]  # never a file that is not quarantined
+
+
+# --- Issue 9: nodes whose disks changed places (the rendezvous gives node indices anew) -----------
+
+TWO_NODES = dataclasses.replace(LAYOUT, world_size=2, data_parallel_size=2, local_world_size=1)
+
+
+def _put(folder, step, owner, run_id="runA"):
+    """``owner``'s LOCAL file and manifest of ``step`` in ``folder`` (its bytes name run, owner and step)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ckpt = folder / paths.local_file_name(step, owner)
+    data = bytearray(f"{run_id}:{owner}:{step};".encode() * 64)
+    local_file.write_raw(ckpt, torch.frombuffer(data, dtype=torch.uint8))
+    man = manifest.build_manifest(tier="local", step=step, run_id=run_id, topology=TWO_NODES.topology(),
+                                  train_state={"step": step}, files=manifest.describe_files(folder, [ckpt.name]))
+    manifest.write_manifest(folder / paths.local_manifest_name(step, owner), man)
+
+
+def _files(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name.startswith("iter_"))
+
+
+def _steps(folder, owner):
+    return sorted(paths.parse_local_file(p.name)[0] for p in folder.glob(f"iter_*_{owner}_local.pt"))
+
+
+def test_swapped_disks_own_files_under_replicas_are_adopted_and_the_other_ranks_folder_is_held_as_replicas(
+        tmp_path, caplog, monkeypatch):
+    """2 nodes x 1 rank, factor 2. Rank 0 runs on the disk node 1 had: its own files are under
+    ``replicas/0`` and rank 1's own folder ``1/`` is here. The resume moves them (file, then
+    manifest) where this layout looks, the LOCAL tier finds its steps, and another run's files stay."""
+    root = tmp_path / "local"
+    for step in (5, 10):
+        _put(root / "replicas" / "0", step, 0)
+        _put(root / "1", step, 1)
+    _put(root / "replicas" / "0", 3, 0, run_id="runB")
+    _put(root / "1", 3, 1, run_id="runB")
+    before = {(o, s): (root / d / paths.local_file_name(s, o)).read_bytes()
+              for o, d in ((0, "replicas/0"), (1, "1")) for s in (5, 10)}
+    tier = LocalTier(CheckpointConfig(local_dir=str(root), replication_factor=2), TWO_NODES)
+    rank1 = [replica_id(s, 1) for s in (5, 10)]  # (one process: rank 1's view, its own files on its node)
+    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: [obj, rank1])
+    with caplog.at_level("WARNING"):
+        tier.prepare_resume("runA")
+    assert sorted(c.step for c in tier.candidates("runA")) == [5, 10]
+    assert _steps(root / "0", 0) == [5, 10] and _steps(root / "replicas" / "1", 1) == [5, 10]
+    assert {(o, s): (root / d / paths.local_file_name(s, o)).read_bytes()
+            for o, d in ((0, "0"), (1, "replicas/1")) for s in (5, 10)} == before
+    assert _steps(root / "1", 1) == [3] and _steps(root / "replicas" / "0", 0) == [3]  # runB's: untouched
+    store = tier._replication.store
+    assert sorted(store.holdings("runA")) == sorted(replica_id(s, o) for s in (5, 10) for o in (0, 1))
+    assert (f"LOCAL step(s) [5, 10] of rank 0 found under {root}/replicas/0 on the node of rank(s) [0]: moved to "
+            f"{root}/0, adopted as that rank's own file") in caplog.text
+    assert (f"LOCAL step(s) [5, 10] of rank 1 found under {root}/1 on the node of rank(s) [0]: moved to "
+            f"{root}/replicas/1, held as a replica") in caplog.text
+
+
+def test_with_two_ranks_per_node_the_node_ranks_folders_stay_and_only_local_rank_0_moves(tmp_path, monkeypatch):
+    """4 ranks, 2 per node, factor 2 (cliques [0, 2], [1, 3]): ``0/`` and ``1/`` are both own folders on
+    the node of ranks 0 and 1, ``replicas/2`` and ``replicas/3`` its replicas: nothing moves. On the
+    node of ranks 2 and 3 the same disk is swapped in: local rank 0 (rank 2) moves, rank 3 does not."""
+    root = tmp_path / "local"
+    for d, owner in (("0", 0), ("1", 1), ("replicas/2", 2), ("replicas/3", 3)):
+        _put(root / d, 10, owner)
+    layout = _files(root)
+    assert local_replicas.ReplicaStore(root, 0, (0, 1)).normalize("runA") == []
+    assert _files(root) == layout
+    kw = dict(on_writer=True, ranks_per_node=2)
+    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: [obj] * 4)  # (one process: 4 ranks' views)
+    local_replicas.LocalReplication(root, 2, 2, 3, 4, local_rank=1, **kw).retrieve_for_resume("runA")
+    assert _files(root) == layout  # rank 3 is local rank 1: it leaves the disk to rank 2
+    local_replicas.LocalReplication(root, 2, 2, 2, 4, local_rank=0, **kw).retrieve_for_resume("runA")
+    assert _files(root) == sorted(f"{d}/{paths.local_file_name(10, o)[:-2]}{x}" for d, o in
+                                  (("2", 2), ("3", 3), ("replicas/0", 0), ("replicas/1", 1))
+                                  for x in ("pt", "manifest.json"))
+
+
+def test_a_step_held_twice_is_never_overwritten_and_retention_removes_the_surplus(tmp_path):
+    """A step the destination has already stays where it is (nothing is overwritten); a move a crash
+    interrupted between file and manifest is completed. What stays in the wrong place (and an
+    interrupted write there) is pruned by the node's local rank 0 once a newer step is sealed;
+    another run's files stay."""
+    root = tmp_path / "local"
+    _put(root / "0", 10, 0)
+    own10 = (root / "0" / paths.local_file_name(10, 0)).read_bytes()
+    for step in (5, 10):
+        _put(root / "replicas" / "0", step, 0, run_id="runA")
+        _put(root / "1", step, 1)
+    _put(root / "replicas" / "1", 10, 1)
+    _put(root / "1", 3, 1, run_id="runB")
+    (root / "1" / "iter_0000007_1_local.dirty.pt").write_bytes(b"partial" * 100)  # rank 1's interrupted write here
+    # an interrupted move of rank 0's step 15: the file is in place, its manifest not yet
+    _put(root / "replicas" / "0", 15, 0)
+    (root / "replicas" / "0" / paths.local_file_name(15, 0)).rename(root / "0" / paths.local_file_name(15, 0))
+    lines = local_replicas.ReplicaStore(root, 0).normalize("runA")
+    assert any("[10] of rank 0 found under" in x and "left in place" in x for x in lines)
+    assert _steps(root / "0", 0) == [5, 10, 15] and (root / "0" / paths.local_manifest_name(15, 0)).exists()
+    assert (root / "0" / paths.local_file_name(10, 0)).read_bytes() == own10
+    assert _steps(root / "replicas" / "0", 0) == [10] and _steps(root / "replicas" / "1", 1) == [5, 10]
+    assert _steps(root / "1", 1) == [3, 10]
+    replication = local_replicas.LocalReplication(root, 2, 1, 0, 2, on_writer=True)
+    replication.prune("runA", 20, k=2)  # (the LOCAL tier prunes 0/ itself)
+    assert not (root / "replicas" / "0").exists()  # a replica of the node's own rank: surplus
+    assert sorted(p.name for p in (root / "1").iterdir()) == sorted(
+        [paths.local_file_name(3, 1), paths.local_manifest_name(3, 1)])  # another run's stay
+    assert _steps(root / "replicas" / "1", 1) == [10]  # the clique's replicas: most_recent_k as ever
