@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tierstack.checkpointing import paths
+from tierstack.checkpointing.replication import REPLICAS_DIR
 from tierstack.checkpointing.global_reader import CheckpointLoadError
 from tierstack.checkpointing.types import CheckpointTier, CheckpointTierHandler
 from tierstack.errors import BadInputError
@@ -169,7 +170,7 @@ class CheckpointUnavailableError(BadInputError, CheckpointLoadError):
     exit status 2, before any work."""
 
 
-def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) -> bool:
+def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler], family: Optional[str] = None) -> bool:
     """Before a fresh start, on every rank alike (``chosen``, the collective resume selection, is
     the same everywhere): refuse it when it would drop a run's history or ignore a setting.
 
@@ -178,6 +179,7 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) ->
         chosen: the :class:`~tierstack.checkpointing.selection.Selection` that found nothing to
             resume (its ``quarantined`` and ``missing`` say why).
         handlers: the run's tiers.
+        family: the run id the launch continues (:func:`decide`), None for a new run.
 
     Returns:
         True when an earlier run is recorded here but left nothing of its history (only its
@@ -209,6 +211,11 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) ->
             f"checkpoint.ckpt_step={cfg.ckpt_step}: no valid checkpoint of that step in any tier")
     found = [] if cfg.allow_fresh_start_on_invalid else evidence(handlers)
     history = [f for f in found if not _not_history(f, chosen)]
+    if found and not history:
+        # Nothing of it in the deciding directories: nor anywhere else? (a LOCAL tier beside the
+        # GLOBAL directory, replicas, checkpoints selection skipped for a changed topology)
+        history = [f for f in _files_of(family, handlers) if not _not_history(f, chosen)]
+        history += [s for s in chosen.skipped if not s.endswith(": other-run")]
     if found and not history and _dist.rank() == 0:
         log.warning("resume: the earlier run recorded here never completed a checkpoint (found only %s): a fresh "
                     "start loses nothing of it; starting fresh", "; ".join(found[:8]))
@@ -224,7 +231,37 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler]) ->
     return bool(found)
 
 
-_LOCAL_NAME = re.compile(r"iter_(\d+)_\d+_local\.")
+_LOCAL_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.")
+
+
+def _files_of(family: Optional[str], handlers: Sequence[CheckpointTierHandler]) -> list[str]:
+    """Collective: the checkpoint files and directories of run ``family`` (or of no recorded run)
+    that any rank sees in any tier's root, deciding or not, its replicas included. Another run's
+    files (rule 1: left alone) are not listed.
+
+    Returns:
+        Sorted paths (at most 20 per rank), the same list on every rank.
+    """
+    mine = []
+    for h in handlers:
+        root = h.run_root
+        if root is None or not root.is_dir():
+            continue
+        entries = _evidence_in(root)
+        replicas = root / REPLICAS_DIR
+        if replicas.is_dir():
+            for folder in sorted(p for p in replicas.iterdir() if p.is_dir()):
+                entries += [str(e) for e in sorted(folder.iterdir()) if e.name.startswith("iter_")]
+        mine += [f for f in entries if _recorded_run(Path(f)) in (family, None)]
+    return sorted({f for view in _dist.all_gather_object(mine[:20]) for f in view})
+
+
+def _recorded_run(path: Path) -> Optional[str]:
+    """The run id the manifest of a GLOBAL step directory or LOCAL file records; None without one."""
+    m = _LOCAL_NAME.match(path.name)
+    man = (paths.read_json(path.with_name(paths.local_manifest_name(int(m.group(1)), int(m.group(2)))))
+           if m else paths.read_json(path / paths.MANIFEST) if path.is_dir() else None)
+    return None if man is None else man.get("run_id")
 
 
 def _not_history(path: str, chosen) -> bool:

@@ -166,7 +166,7 @@ class CheckpointManager:
 
     def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection, family: Optional[str]) -> None:
         c = self.cfg
-        same_run = run_family.check_fresh_start(c, chosen, list(self._tiers.values()))
+        same_run = run_family.check_fresh_start(c, chosen, list(self._tiers.values()), family)
         run_id = family if same_run and family else _dist.broadcast_object(uuid.uuid4().hex[:12])
         objs.train_state.run_id = run_id
         # Claim the tier roots for this run now, so a crash before the first GLOBAL save still

@@ -194,6 +194,36 @@ def test_an_interrupted_first_save_is_no_history_but_a_step_lost_with_a_node_is(
         family.check_fresh_start(cfg, chosen, [tier])
 
 
+@pytest.mark.parametrize("local_run,topology,refused", [
+    ("runA", {"world_size": 1}, False),   # nothing of runA's history: a fresh start as runA
+    ("runA", {"world_size": 4}, True),    # runA's LOCAL step 5 of another topology: history
+    ("runB", {"world_size": 4}, False),   # another run's files beside the GLOBAL directory: left alone
+])
+def test_a_fresh_start_looks_for_history_beyond_the_deciding_directory(tmp_path, local_run, topology, refused):
+    """The GLOBAL directory (which decides the run) holds only runA's ``run.json``; whether a fresh
+    start is allowed depends on the LOCAL checkpoints beside it, which selection could not use."""
+    from tierstack.checkpointing import family
+    from tierstack.checkpointing.global_tier import GlobalTier
+
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "local"), save=str(tmp_path / "global"))
+    paths.write_run_file(tmp_path / "global", "runA")
+    if topology != {"world_size": 1}:
+        store = local_replicas.ReplicaStore(tmp_path / "local", 0)
+        ckpt, man_path = store.paths(5, 0)
+        local_file.write_raw(ckpt, torch.frombuffer(bytearray(b"x" * 64), dtype=torch.uint8))
+        man = manifest.build_manifest(tier="local", step=5, run_id=local_run, topology=topology,
+                                      train_state={"step": 5}, files=manifest.describe_files(ckpt.parent, [ckpt.name]))
+        manifest.write_manifest(man_path, man)
+    tiers = [LocalTier(cfg, LAYOUT), GlobalTier(cfg, LAYOUT, run_config={})]
+    chosen = selection.select(tiers, family="runA")
+    assert chosen.handler is None
+    if refused:
+        with pytest.raises(family.CheckpointUnavailableError, match="local step 5: topology-changed"):
+            family.check_fresh_start(cfg, chosen, tiers, "runA")
+    else:
+        assert family.check_fresh_start(cfg, chosen, tiers, "runA") is True
+
+
 def test_own_dirty_files_name_the_interrupted_steps(tmp_path):
     (tmp_path / "local" / "0").mkdir(parents=True)
     (tmp_path / "local" / "0" / "iter_0000012_0_local.dirty.pt").write_bytes(b"x")
