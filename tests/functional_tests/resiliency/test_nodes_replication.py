@@ -114,7 +114,7 @@ def test_nodes_that_swapped_disks_resume_from_local_bit_for_bit(tmp_path):
 
     proc, log = _launch(tmp_path, "swapped", "checkpoint.replication_factor=2")
     assert proc.returncode == 0, log[-5000:]
-    # (before the fix (#9): no rank found a file of its own, so the run started fresh and dropped steps 1-10)
+    # (before the fix (#9): no rank found a file of its own, and the launch stopped)
     assert "resumed from LOCAL checkpoint at iteration 10" in log, log[-5000:]
     assert "FINAL step=12 resumed_from=[10]" in log
     for rank, other in ((0, 1), (1, 0)):  # on its node: its own files as replicas, and the other rank's folder
@@ -130,6 +130,26 @@ def test_nodes_that_swapped_disks_resume_from_local_bit_for_bit(tmp_path):
     layout = sorted(str(p.relative_to(node[0])) for p in node[0].rglob("iter_*"))
     assert layout == [f"local/{d}/iter_00000{s:02d}_{r}_local.{x}" for d, r in (("0", 0), ("replicas/1", 1))
                       for s in (5, 10) for x in ("manifest.json", "pt")]  # the other rank's folder is gone
+
+
+@pytest.mark.slow
+def test_swapped_disks_without_replicas_stop_the_launch_and_name_the_files(tmp_path):
+    """Without replication nothing can move the files to the node that needs them: the relaunch
+    finds the run's LOCAL checkpoints only in other ranks' folders. The GLOBAL directory holds only
+    the run's ``run.json``, so this looks like a run that failed before its first checkpoint; the
+    LOCAL files are its history and the launch stops, naming them, never a silent fresh start."""
+    proc, log = _launch(tmp_path, "killed", env={"TIERSTACK_TEST_KILL_AT": "12", "TIERSTACK_TEST_KILL_NODE": "1"})
+    assert proc.returncode != 0 and "LOCAL checkpoint of step 10 sealed on every rank" in log, log[-5000:]
+    node = {r: next(d for d in (tmp_path / "run").glob("node*") if (d / "local" / str(r)).is_dir()) for r in (0, 1)}
+    swap = tmp_path / "run" / "swap"
+    node[0].rename(swap), node[1].rename(node[0]), swap.rename(node[1])
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("iter_*"))
+    proc, log = _launch(tmp_path, "swapped")
+    assert proc.returncode != 0, log[-5000:]
+    assert "an earlier run left files here but no valid checkpoint to resume from" in log, log[-5000:]
+    assert "iter_0000010_1_local.pt" in log and "never completed a checkpoint" not in log
+    assert "swapped" not in {json.loads(x)["launch"] for x in (tmp_path / "losses_rank0.jsonl").read_text().splitlines()}
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("iter_*")) == before  # all left as found
 
 
 @pytest.mark.slow
