@@ -117,8 +117,13 @@ class ReplicaStore:
                 if manifest.check_manifest(man, step=parsed[0]) is not None or man.get("run_id") != run_id:
                     continue
                 (name, entry), = man["files"].items()
-                if p.stat().st_size == int(entry["size"]):
+                size = p.stat().st_size
+                if size == int(entry["size"]):
                     out.append(replica_id(parsed[0], owner))
+                else:  # truncated (a full disk, a kill while copying): not offered, and said so
+                    log.warning("resume: LOCAL %s of rank %d, step %d, %s has %d bytes, its manifest records %s: "
+                                "damaged, not used", "file" if owner == self.rank else "replica", owner, parsed[0], p,
+                                size, entry["size"])
         return out
 
     def load(self, id_: str) -> FileReplica:

@@ -71,7 +71,7 @@ def _write_own(root, step, rank=0, run_id="runA", payload=b"local-bytes" * 100):
     return store, man, data
 
 
-def test_a_replica_is_stored_only_when_its_owners_checksum_matches(tmp_path):
+def test_a_replica_is_stored_only_when_its_owners_checksum_matches(tmp_path, caplog):
     _, man, data = _write_own(tmp_path / "node1", 10, rank=1)
     store = local_replicas.ReplicaStore(tmp_path / "node0", 0)
     damaged = data.clone()
@@ -81,6 +81,13 @@ def test_a_replica_is_stored_only_when_its_owners_checksum_matches(tmp_path):
     assert not store.folder(1).exists() or not any(store.folder(1).iterdir())
     store.store(FileReplica(1, 10, man, data))
     assert store.holdings("runA") == [replica_id(10, 1)]
+    ckpt = store.paths(10, 1)[0]
+    whole = ckpt.read_bytes()
+    ckpt.write_bytes(whole[:-10])  # truncated: not offered, and the log says why
+    with caplog.at_level("WARNING"):
+        assert store.holdings("runA") == []
+    assert f"LOCAL replica of rank 1, step 10, {ckpt} has {len(whole) - 10} bytes" in caplog.text
+    ckpt.write_bytes(whole)
     assert store.paths(10, 1)[0].read_bytes() == bytes(data.numpy())
     assert store.holdings("runB") == []  # another run's files are not offered
     sent = store.load(replica_id(10, 1))
