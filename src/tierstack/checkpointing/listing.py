@@ -169,20 +169,14 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
                 if paths.is_leftover(f.name) or ".invalid-" in f.name:
                     leftovers.append(f)
                 continue
-            man = paths.read_json(f.with_name(paths.local_manifest_name(parsed[0], parsed[1])))
-            problem = manifest.check_manifest(man, step=parsed[0])
-            if problem is None:
-                problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
-            per_step[parsed[0]].append((r, man, problem))
+            per_step[parsed[0]].append((r, *_check_local_file(f, parsed, checksums)))
     # a step whose .dirty file some rank left was never sealed on every rank: an interrupted save
     interrupted = {paths.parse_local_file(f.name.split(".")[0] + ".pt") for f in leftovers if f.name.endswith(".dirty.pt")}
     interrupted_steps = {parsed[0] for parsed in interrupted if parsed}
     rows = []
     for step in paths.sorted_steps(per_step):
         entries = per_step[step]
-        problems = [f"rank {r}: {p}" for r, _, p in entries if p is not None]
-        man = next((m for _, m, _ in entries if m), None)
-        size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
+        problems, man, size = _summarize(entries, "rank")
         where = f"{len(entries)} rank file{'s' if len(entries) != 1 else ''}"
         if len(entries) != len(ranks) and step in interrupted_steps and not problems:
             rows.append(_row("local", step, size, len(entries), None, man,
@@ -196,6 +190,24 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
         step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
         rows.append(_row("local", step[0] if step else "-", 0, 1, kind, None, f"{f.parent.name}/{f.name}", kind))
     return rows + _replica_rows(root / REPLICAS_DIR, checksums)
+
+
+def _check_local_file(f: Path, parsed: tuple[int, int], checksums: bool) -> tuple[dict | None, str | None]:
+    """The manifest of the LOCAL file ``f`` (step, rank = ``parsed``) and its problem (None when
+    the manifest is sound and the file matches its recorded size and, with ``checksums``, checksum)."""
+    man = paths.read_json(f.with_name(paths.local_manifest_name(*parsed)))
+    problem = manifest.check_manifest(man, step=parsed[0])
+    if problem is None:
+        problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
+    return man, problem
+
+
+def _summarize(entries: list[tuple], label: str) -> tuple[list[str], dict | None, int]:
+    """For one step's ``(rank, manifest, problem)`` entries: the problems (each prefixed
+    ``"<label> <rank>: "``), one manifest to describe the step, and the bytes of all files."""
+    problems = [f"{label} {r}: {p}" for r, _, p in entries if p is not None]
+    man = next((m for _, m, _ in entries if m), None)
+    return problems, man, sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
 
 
 def _replica_rows(folder: Path, checksums: bool) -> list[tuple]:
@@ -215,16 +227,10 @@ def _replica_rows(folder: Path, checksums: bool) -> list[tuple]:
                     rows.append(_row("local", step[0] if step else "-", 0, 1, "leftover", None,
                                      f"{REPLICAS_DIR}/{owner_dir.name}/{f.name}", "leftover"))
                 continue
-            man = paths.read_json(f.with_name(paths.local_manifest_name(*parsed)))
-            problem = manifest.check_manifest(man, step=parsed[0])
-            if problem is None:
-                problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
-            per_step[parsed[0]].append((parsed[1], man, problem))
+            per_step[parsed[0]].append((parsed[1], *_check_local_file(f, parsed, checksums)))
     for step in paths.sorted_steps(per_step):
         entries = per_step[step]
-        problems = [f"replica of rank {o}: {p}" for o, _, p in entries if p is not None]
-        man = next((m for _, m, _ in entries if m), None)
-        size = sum(int(m.get("bytes", 0)) for _, m, _ in entries if m)
+        problems, man, size = _summarize(entries, "replica of rank")
         where = f"replica(s) of rank(s) {[o for o, _, _ in entries]}"
         rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, where,
                          None if problems else "replica"))

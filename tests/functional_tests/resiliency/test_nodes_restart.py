@@ -11,14 +11,21 @@ from launcher import run_nodes
 WORKER = Path(__file__).with_name("nodes_worker.py")
 
 
+def _kill_node_1_at(tmp_path: Path, run: Path, *, step: int, train_iters: int):
+    """2 nodes x 1 rank, LOCAL every 5, ``--max-restarts 2``; node 1's rank is SIGKILLed once,
+    after ``step``. Returns the finished process and its stdout + stderr."""
+    proc = run_nodes([WORKER, tmp_path, f"logger.run_dir={run}", f"train.train_iters={train_iters}",
+                      "checkpoint.local_save_interval=5", f"checkpoint.save={run}/global"],
+                     max_restarts=2, timeout=300,
+                     env={"TIERSTACK_TEST_KILL_AT": str(step), "TIERSTACK_TEST_KILL_NODE": "1",
+                          "TIERSTACK_TEST_LAUNCH": "a"})
+    return proc, proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
 def test_a_killed_rank_restarts_the_job_from_local_and_it_finishes(tmp_path):
     run = tmp_path / "run"
-    proc = run_nodes([WORKER, tmp_path, f"logger.run_dir={run}", "train.train_iters=30",
-                      "checkpoint.local_save_interval=5", f"checkpoint.save={run}/global"],
-                     max_restarts=2, timeout=300,
-                     env={"TIERSTACK_TEST_KILL_AT": "12", "TIERSTACK_TEST_KILL_NODE": "1", "TIERSTACK_TEST_LAUNCH": "a"})
-    log = proc.stdout + proc.stderr
+    proc, log = _kill_node_1_at(tmp_path, run, step=12, train_iters=30)
     assert proc.returncode == 0, log[-6000:]
     assert "KILLING node 1" in log and "FINAL step=30 resumed_from=[10]" in log
     assert "resumed from LOCAL checkpoint at iteration 10" in log
@@ -35,11 +42,7 @@ def test_a_rank_killed_before_the_first_checkpoint_restarts_the_job_fresh_as_the
     """The earlier start left only its run records (no checkpoint in any tier): the restart is not
     refused as "an earlier run left files here" but starts over, under the same run id."""
     run = tmp_path / "run"
-    proc = run_nodes([WORKER, tmp_path, f"logger.run_dir={run}", "train.train_iters=12",
-                      "checkpoint.local_save_interval=5", f"checkpoint.save={run}/global"],
-                     max_restarts=2, timeout=300,
-                     env={"TIERSTACK_TEST_KILL_AT": "2", "TIERSTACK_TEST_KILL_NODE": "1", "TIERSTACK_TEST_LAUNCH": "a"})
-    log = proc.stdout + proc.stderr
+    proc, log = _kill_node_1_at(tmp_path, run, step=2, train_iters=12)
     assert proc.returncode == 0, log[-6000:]
     assert "KILLING node 1" in log and "FINAL step=12 resumed_from=[]" in log
     assert "never completed a checkpoint" in log and "earlier run left files here" not in log
