@@ -1,12 +1,16 @@
 """Errors that mean "the input is wrong": the run stops with one message and exit status 2.
 
 A :class:`BadInputError` is raised on every rank alike (the check that raises it agrees across
-ranks first), before any work that could be lost. ``tierstack.recipes.run`` prints its message once,
-on rank 0, and every other rank says one line; the process exits with status 2, as for a config
+ranks first), before any work that could be lost. Its message is printed once, on rank 0, while the ranks are
+still together (:func:`say_once`, or ``tierstack.recipes.run`` before any process group exists),
+and every other rank says one line; the process exits with status 2, as for a config
 error. Anything else that goes wrong is a crash and keeps its traceback.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 
 class BadInputError(Exception):
@@ -18,4 +22,21 @@ class BadInputError(Exception):
     """
 
 
-__all__ = ["BadInputError"]
+def say_once(exc: BadInputError) -> None:
+    """Log ``exc``'s message on rank 0 (``RANK`` unset counts as 0) and mark it said.
+
+    Called while every rank is still inside its process group, before they leave together: under
+    torchrun the first rank to exit makes torchrun stop the others (SIGTERM), so a message left for
+    the exit path of rank 0 could be lost when another rank exits first. ``exc.said`` tells the
+    caller that rank 0 printed it already.
+    """
+    if int(os.environ.get("RANK", "0")) == 0 and not getattr(exc, "said", False):
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("tierstack").error("%s", exc)
+        for handler in logging.getLogger().handlers + logging.getLogger("tierstack").handlers:
+            handler.flush()
+    exc.said = True
+
+
+__all__ = ["BadInputError", "say_once"]

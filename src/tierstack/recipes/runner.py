@@ -3,7 +3,8 @@
 Two ways in, one code path:
 
 - under torchrun (``torchrun --nproc-per-node 2 recipes/gpt_tiny.py k=v``), each rank validates and
-  trains; a config error is printed once (rank 0) and every rank exits 2. torchrun itself then
+  trains; a config error is printed once (rank 0) and every rank exits 2 (the others after rank 0,
+  so that torchrun cannot stop rank 0 before it printed). torchrun itself then
   reports the failed ranks (its ``ChildFailedError``): a launcher cannot be told that a child's
   exit was a clean refusal;
 - with ``--nproc-per-node N`` and no torchrun around (``tierstack pretrain gpt_tiny --nproc-per-node 2``,
@@ -79,6 +80,8 @@ def run(
         config.validate(world_size, check_paths=nproc is not None or not under_torchrun() or world_size == 1)
     except ConfigError as exc:
         _report(str(exc))
+        if nproc is None and under_torchrun() and world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
+            _leave_after_rank_0(CONFIG_ERROR_STATUS)
         return CONFIG_ERROR_STATUS
     if nproc is not None:
         return launch([*(rank_command or [sys.argv[0]]), *overrides], nproc_per_node=nproc)
@@ -88,7 +91,8 @@ def run(
         pretrain(config)
     except BadInputError as exc:  # raised alike on every rank, after pretrain() cleaned up
         if int(os.environ.get("RANK", "0")) == 0:
-            _report(str(exc))
+            if not getattr(exc, "said", False):  # setup says it before the ranks leave (errors.say_once)
+                _report(str(exc))
         else:
             if not logging.getLogger().handlers:
                 logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -97,6 +101,30 @@ def run(
             _exit_with_the_other_ranks(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
     return 0
+
+
+REFUSAL_GRACE_S = 30.0  # how long a rank other than 0 waits for rank 0 to print a config error
+
+
+def _leave_after_rank_0(status: int) -> None:
+    """End a rank other than 0 that refused the config (no process group exists yet), after rank 0.
+
+    Every rank finds the same config error, and only rank 0 prints it. torchrun stops the other
+    workers (SIGTERM) as soon as one exits non-zero, so a rank 1 that exited first could kill rank
+    0 before it printed (seen on a busy machine: the run ended with no message at all). This rank
+    waits instead: SIGTERM from torchrun (rank 0 has exited, message printed) ends it with
+    ``status``, and so does the end of :data:`REFUSAL_GRACE_S` seconds (rank 0 on another node,
+    whose agent does not stop this node's workers).
+    """
+    import time
+
+    def leave(signum, frame):
+        os._exit(status)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
+    time.sleep(REFUSAL_GRACE_S)
+    os._exit(status)
 
 
 def _exit_with_the_other_ranks(status: int) -> None:

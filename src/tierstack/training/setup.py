@@ -13,7 +13,7 @@ import torch
 
 from tierstack import runtime
 from tierstack.config import ConfigContainer, ConfigError
-from tierstack.errors import BadInputError
+from tierstack.errors import BadInputError, say_once
 from tierstack.runtime import collectives
 from tierstack.train_state import TrainState
 
@@ -152,7 +152,8 @@ def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
     register(stack, "process groups", runtime.destroy_distributed)  # registered first: closed last
     try:
         return _build(cfg, layout, stack, register)
-    except BadInputError:  # raised alike on every rank: they leave together
+    except BadInputError as exc:  # raised alike on every rank: said by rank 0, then they leave together
+        say_once(exc)
         collectives.barrier()
         raise
 

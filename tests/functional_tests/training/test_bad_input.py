@@ -97,3 +97,20 @@ def test_no_checkpoint_to_resume_is_one_message_with_status_2(tmp_path):
     assert "checkpoint.exit_on_missing_checkpoint=true but no checkpoint was found" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((tmp_path / "global").glob("iter_*"))  # no work done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, message", [
+    # refused by every rank's config check, before any process group exists
+    ("model.num_attention_heads=3", "model.num_attention_heads=3 is not divisible by distributed.tensor_model_parallel_size=2"),
+    # refused in setup, after the process groups exist (several ranks check paths together)
+    ("dataset.data_path=[{tmp}/nope]", "{tmp}/nope.bin not found"),
+])
+def test_the_refusal_is_printed_when_rank_0_is_slower_than_the_others(tmp_path, torchrun, override, message):
+    """A rank other than 0 that exits first makes torchrun stop rank 0: the refusal must be out by
+    then (the run used to end with no message at all when rank 0 was the slow one)."""
+    worker = Path(__file__).with_name("slow_rank0_report.py")
+    extra = ["model.hidden_size=264"] if "heads" in override else []
+    proc = torchrun([worker, override.format(tmp=tmp_path), *extra, f"logger.run_dir={tmp_path}/run"], timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count(message.format(tmp=tmp_path)) == 1, proc.stderr[-4000:]
