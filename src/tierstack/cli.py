@@ -1,6 +1,6 @@
 """The ``tierstack`` command: ``pretrain``, ``preprocess``, ``checkpoints ls|verify``, ``convert``, ``generate``.
 
-``tierstack pretrain [RECIPE] [--nproc-per-node N] [section.field=value ...]`` runs a recipe by name
+``tierstack pretrain [RECIPE] [--nproc-per-node N [--max-restarts R]] [section.field=value ...]`` runs a recipe by name
 (``gpt_tiny`` by default, the same function as ``recipes/gpt_tiny.py``) or from a recipe file. With
 ``--nproc-per-node`` it validates the config, then launches the ranks; under torchrun
 (``torchrun --nproc-per-node 2 -m tierstack.cli pretrain gpt_tiny ...``) each rank runs it.
@@ -37,6 +37,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     # --nproc-per-node may come before the recipe (parsed by argparse) or after it (in items).
     launcher = argparse.ArgumentParser(prog="tierstack pretrain", add_help=False)
     launcher.add_argument("--nproc-per-node", type=int, default=args.nproc_per_node)
+    launcher.add_argument("--max-restarts", type=int, default=args.max_restarts)
     known, items = launcher.parse_known_args(args.items)
     name = items.pop(0) if items and "=" not in items[0] and not items[0].startswith("-") else DEFAULT_RECIPE
     if name.endswith(".py"):
@@ -49,6 +50,8 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
         print(f"tierstack pretrain: unknown recipe {name!r}; known: {', '.join(RECIPES)} (or a .py file)", file=sys.stderr)
         return 2
     launch_args = [] if known.nproc_per_node is None else ["--nproc-per-node", str(known.nproc_per_node)]
+    if known.max_restarts is not None:
+        launch_args += ["--max-restarts", str(known.max_restarts)]
     return run(config_fn, [*launch_args, *items], rank_command=["-m", "tierstack.cli", "pretrain", name])
 
 
@@ -135,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         "N ranks on this machine (leave it out under torchrun).",
     )
     pt.add_argument("--nproc-per-node", type=int, default=None, help="validate, then launch N ranks here")
-    pt.add_argument("items", nargs=argparse.REMAINDER, metavar="[RECIPE] [--nproc-per-node N] section.field=value")
+    pt.add_argument("--max-restarts", type=int, default=None,
+                    help="with --nproc-per-node: restart the ranks up to R times after a failure (torchrun's)")
+    pt.add_argument("items", nargs=argparse.REMAINDER, metavar="[RECIPE] [--nproc-per-node N] [--max-restarts R] section.field=value")
     pt.set_defaults(func=_cmd_pretrain)
 
     pp = sub.add_parser("preprocess", help="text / JSONL files -> Megatron indexed dataset (.bin/.idx)")

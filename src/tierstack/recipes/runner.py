@@ -54,7 +54,9 @@ def run(
 
     Args:
         config_fn: the recipe (a function returning a config).
-        argv: ``[--nproc-per-node N] section.field=value ...``; default ``sys.argv[1:]``.
+        argv: ``[--nproc-per-node N [--max-restarts R]] section.field=value ...``; default
+            ``sys.argv[1:]``. ``--max-restarts`` (torchrun's) restarts every rank up to R times
+            after a rank fails; the job resumes from its newest checkpoint.
         rank_command: what each rank runs when this process launches them (torchrun's program and
             its arguments, before the overrides); default ``[sys.argv[0]]``, the recipe file.
 
@@ -67,10 +69,15 @@ def run(
     """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc-per-node", type=int, default=None)
+    parser.add_argument("--max-restarts", type=int, default=None)
     known, overrides = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     nproc = known.nproc_per_node
     if nproc is not None and (nproc < 1 or under_torchrun()):
         _report(f"--nproc-per-node={nproc}: give a number >= 1, and only outside torchrun (torchrun sets the ranks)")
+        return CONFIG_ERROR_STATUS
+    if known.max_restarts is not None and (known.max_restarts < 0 or nproc is None):
+        _report(f"--max-restarts={known.max_restarts}: give a number >= 0, together with --nproc-per-node "
+                "(under torchrun, give torchrun --max-restarts)")
         return CONFIG_ERROR_STATUS
     world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -84,7 +91,8 @@ def run(
             _leave_after_rank_0(CONFIG_ERROR_STATUS)
         return CONFIG_ERROR_STATUS
     if nproc is not None:
-        return launch([*(rank_command or [sys.argv[0]]), *overrides], nproc_per_node=nproc)
+        return launch([*(rank_command or [sys.argv[0]]), *overrides], nproc_per_node=nproc,
+                      max_restarts=known.max_restarts or 0)
     from tierstack import pretrain
 
     try:
@@ -148,7 +156,7 @@ def _exit_with_the_other_ranks(status: int) -> None:
     os._exit(status)
 
 
-def launch(command: Sequence[str], *, nproc_per_node: int) -> int:
+def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:
     """Start ``nproc_per_node`` ranks of ``command`` on this machine with torchrun's own launcher.
 
     The rendezvous is torchrun's ``--standalone`` one (a c10d store on a port the OS picks at bind
@@ -159,6 +167,11 @@ def launch(command: Sequence[str], *, nproc_per_node: int) -> int:
         command: the program and its arguments, as after ``torchrun [options]`` (``["-m",
             "tierstack.cli", "pretrain", "gpt_tiny", ...]`` or ``["recipes/gpt_tiny.py", ...]``).
         nproc_per_node: ranks to start.
+        max_restarts: torchrun's ``--max-restarts``: after a rank fails, torchrun stops the others
+            and starts all of them again, up to this many times (the job-wide count is kept in
+            ``<logger.run_dir>/restarts.json``). With restarts the ranks host their own rendezvous
+            store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless set), so that no restarted rank
+            reads a peer's address from before the restart.
 
     Returns:
         0 when every rank succeeded; else the first failed rank's exit status (1 for a signal),
@@ -173,7 +186,10 @@ def launch(command: Sequence[str], *, nproc_per_node: int) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)  # its rendezvous INFO lines
-    args = parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node), *command])
+    if max_restarts:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    args = parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node),
+                       "--max-restarts", str(max_restarts), *command])
     try:
         torchrun(args)
     except ChildFailedError as exc:
