@@ -19,6 +19,7 @@ its ranks and anything they started) is killed, so no rank outlives the test.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -84,6 +86,27 @@ def _kill_launch(launch_id: str) -> int:
         except (OSError, ProcessLookupError):  # gone, or not ours to read
             continue
     return killed
+
+
+@contextlib.contextmanager
+def started_launch(cmd, *, stdout, stderr, cwd=None, env=None) -> Iterator[subprocess.Popen]:
+    """Start ``cmd`` in a new session for a test that acts on it while it runs (signals a rank or
+    the launcher); on leaving the block every process the launch started is SIGKILLed, as in
+    :func:`run_group`. ``stdout``/``stderr``: open files.
+    """
+    launch_id = uuid.uuid4().hex
+    env = {**(os.environ if env is None else env), LAUNCH_ID_ENV: launch_id}
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, cwd=cwd or REPO, env=env,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _kill_launch(launch_id)
+        proc.wait()
 
 
 def run_group(cmd, *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:

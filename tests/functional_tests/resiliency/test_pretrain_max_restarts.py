@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher import started_launch
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -36,23 +38,16 @@ def test_a_rank_killed_from_outside_restarts_the_launch_from_local(tmp_path):
            "logger.log_interval=1", f"logger.run_dir={run}", f"checkpoint.save={run}/checkpoints",
            "checkpoint.save_interval=30", "checkpoint.local_save_interval=5", f"checkpoint.local_dir={run}/local"]
     out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, start_new_session=True,
-                                env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-        try:
-            deadline = time.monotonic() + 240
-            while "iter 13/30" not in out_path.read_text() + err_path.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-4000:]
-                time.sleep(0.2)
-            victim = _rank_process(proc.pid, "1")
-            assert victim is not None
-            victim.send_signal(signal.SIGKILL)
-            rc = proc.wait(timeout=240)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with open(out_path, "w") as out, open(err_path, "w") as err, started_launch(
+            cmd, stdout=out, stderr=err, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}) as proc:
+        deadline = time.monotonic() + 240
+        while "iter 13/30" not in out_path.read_text() + err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-4000:]
+            time.sleep(0.2)
+        victim = _rank_process(proc.pid, "1")
+        assert victim is not None
+        victim.send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=240)
     log = out_path.read_text() + err_path.read_text()
     assert rc == 0, log[-6000:]
     resumed = re.findall(r"resumed from (LOCAL|GLOBAL) checkpoint (?:of step|at iteration) (\d+)", log)

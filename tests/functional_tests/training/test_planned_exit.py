@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher import started_launch
+
 WORKER = Path(__file__).with_name("worker.py")
 
 
@@ -33,7 +35,6 @@ def test_sigterm_to_the_launcher_stops_the_ranks_with_a_planned_exit_and_status_
     ranks, each saves at its planned exit, and the launcher says what happened and exits 128 + 15."""
     import os
     import signal
-    import subprocess
     import sys
     import time
 
@@ -44,22 +45,15 @@ def test_sigterm_to_the_launcher_stops_the_ranks_with_a_planned_exit_and_status_
            f"checkpoint.save={run}/checkpoints", "checkpoint.save_interval=2", "checkpoint.local_save_interval=null",
            f"checkpoint.local_dir={run}/local"]  # never the default runs/gpt_tiny/local of the user
     tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
-    with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=Path(__file__).resolve().parents[3],
-                                start_new_session=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-        try:
-            deadline = time.monotonic() + 240
-            while not tracker.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert tracker.exists(), (tmp_path / "err.txt").read_text()[-3000:]
-            proc.send_signal(signal.SIGTERM)  # the launcher only, as `kill <pid>` or a scheduler would
-            rc = proc.wait(timeout=180)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        stderr = (tmp_path / "err.txt").read_text()
+    with open(tmp_path / "out.txt", "w+") as out, open(tmp_path / "err.txt", "w+") as err, started_launch(
+            cmd, stdout=out, stderr=err, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}) as proc:
+        deadline = time.monotonic() + 240
+        while not tracker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert tracker.exists(), (tmp_path / "err.txt").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as `kill <pid>` or a scheduler would
+        rc = proc.wait(timeout=180)
+    stderr = (tmp_path / "err.txt").read_text()
     assert rc == 128 + signal.SIGTERM, stderr[-4000:]
     assert "the launcher received SIGTERM; torchrun stopped the ranks (exit status 143)" in stderr
     assert "SignalException" not in stderr and "Traceback" not in stderr, stderr[-4000:]
