@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from omegaconf import OmegaConf
@@ -53,14 +54,20 @@ class ConfigContainer:
         """Apply ``section.field=value`` overrides (omegaconf dotlist syntax) in place.
 
         ``straggler.report_interval=5`` on a config whose ``straggler`` is None turns the section on
-        with defaults first; ``straggler=null`` turns it off.
+        with defaults first; ``straggler=null`` turns it off. ``logger.run_dir=D`` also moves the
+        checkpoint directories that lay inside the old run directory (``checkpoint.save``,
+        ``checkpoint.local_dir``, as every recipe puts them) into ``D``, unless they are overridden
+        too: a new run directory never resumes the old run's checkpoints by accident.
 
         Raises:
             ConfigError: an override is malformed, names an unknown section or field, or has a value
                 of the wrong type. All problems are listed at once.
         """
         problems: list[str] = []
+        given: set[str] = set()
+        old_run_dir = self.logger.run_dir if self.logger is not None else None
         for item in dotlist:
+            given.add(item.split("=", 1)[0].strip())
             if "=" not in item:
                 problems.append(f"override {item!r}: expected section.field=value")
                 continue
@@ -104,7 +111,25 @@ class ConfigContainer:
             setattr(self, section, new)
         if problems:
             raise ConfigError(problems)
+        if "logger.run_dir" in given and old_run_dir is not None:
+            self._move_checkpoint_dirs(old_run_dir, given)
         return self
+
+    def _move_checkpoint_dirs(self, old_run_dir: str, given: set[str]) -> None:
+        """Rebase ``checkpoint.save``/``local_dir`` that lay inside ``old_run_dir`` onto the new
+        ``logger.run_dir`` (those given as overrides themselves stay as given)."""
+        old, new = Path(old_run_dir), Path(self.logger.run_dir)
+        if self.checkpoint is None or old == new:
+            return
+        for name in ("save", "local_dir"):
+            value = getattr(self.checkpoint, name)
+            if value is None or f"checkpoint.{name}" in given:
+                continue
+            try:
+                inner = Path(value).relative_to(old)
+            except ValueError:
+                continue  # not inside the old run directory: the recipe put it elsewhere on purpose
+            setattr(self.checkpoint, name, str(new / inner))
 
     # ---------------------------------------------------------------- validation
     def sections(self) -> dict[str, Any]:

@@ -78,6 +78,10 @@ class SchedulerConfig(_Section):
     lr_decay_style: str = "cosine"  # constant, linear, cosine, inverse-square-root, WSD
     start_weight_decay: Optional[float] = None  # None = optimizer.weight_decay
     end_weight_decay: Optional[float] = None  # None = optimizer.weight_decay
+    # At resume: false keeps the checkpoint's schedule (LR, warmup, decay length and style, weight
+    # decay) and warns when this config implies another; true follows this config's schedule from
+    # the resumed iteration on (megatron-core's override_opt_param_scheduler).
+    override_opt_param_scheduler: bool = False
 
     def problems(self) -> list[str]:
         p = []

@@ -72,6 +72,8 @@ def build_scheduler(cfg: ConfigContainer, optimizer):
 
     Warmup is linear over ``scheduler.lr_warmup_iters`` from 0 to ``optimizer.lr``, then the decay
     style over ``lr_decay_iters`` (default ``train.train_iters``) down to ``optimizer.min_lr``.
+    At resume the checkpoint's schedule is kept unless ``scheduler.override_opt_param_scheduler``;
+    the values this config implies are kept on the scheduler for :func:`schedule_changes`.
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -79,7 +81,7 @@ def build_scheduler(cfg: ConfigContainer, optimizer):
     decay_iters = s.lr_decay_iters or cfg.train.train_iters
     start_wd = o.weight_decay if s.start_weight_decay is None else s.start_weight_decay
     end_wd = o.weight_decay if s.end_weight_decay is None else s.end_weight_decay
-    return OptimizerParamScheduler(
+    scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=o.lr,
@@ -91,11 +93,48 @@ def build_scheduler(cfg: ConfigContainer, optimizer):
         end_wd=end_wd,
         wd_incr_steps=cfg.train.train_iters,
         wd_incr_style="constant" if start_wd == end_wd else "linear",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=not s.override_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
         wsd_decay_steps=max(1, decay_iters // 10) if s.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style="cosine" if s.lr_decay_style == "WSD" else None,
     )
+    scheduler.tierstack_configured = _schedule_values(scheduler)
+    return scheduler
+
+
+# what a resume can take from the checkpoint: (attribute of OptimizerParamScheduler, what it is in this config)
+_SCHEDULE_FIELDS = (
+    ("max_lr", "optimizer.lr"),
+    ("min_lr", "optimizer.min_lr"),
+    ("lr_warmup_steps", "scheduler.lr_warmup_iters"),
+    ("lr_decay_steps", "scheduler.lr_decay_iters (default train.train_iters)"),
+    ("lr_decay_style", "scheduler.lr_decay_style"),
+    ("start_wd", "scheduler.start_weight_decay"),
+    ("end_wd", "scheduler.end_weight_decay"),
+    ("wd_incr_steps", "train.train_iters (weight decay steps)"),
+)
+
+
+def _schedule_values(scheduler) -> dict:
+    return {attr: getattr(scheduler, attr, None) for attr, _ in _SCHEDULE_FIELDS}
+
+
+def schedule_changes(scheduler) -> list[str]:
+    """After a resume: where the schedule in use (the checkpoint's, unless
+    ``scheduler.override_opt_param_scheduler``) differs from the one this config implies.
+
+    Returns:
+        One ``"<field>: <in use> (this config: <configured>)"`` per difference; empty when none
+        or when the scheduler was not built by :func:`build_scheduler`.
+    """
+    configured = getattr(scheduler, "tierstack_configured", None)
+    if configured is None:
+        return []
+    now = _schedule_values(scheduler)
+    constant_wd = now["start_wd"] == now["end_wd"] and configured["start_wd"] == configured["end_wd"]
+    return [f"{name}: {now[attr]} (this config: {configured[attr]})"
+            for attr, name in _SCHEDULE_FIELDS
+            if now[attr] != configured[attr] and not (attr == "wd_incr_steps" and constant_wd)]
 
 
 def wire_model_config(model: list[torch.nn.Module], optimizer) -> None:

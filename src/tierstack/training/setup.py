@@ -158,6 +158,19 @@ def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
         raise
 
 
+def _report_schedule(scheduler) -> None:
+    """After a resume, rank 0 says when the LR/weight-decay schedule in use is not the one the
+    config implies (raising ``train.train_iters`` does not stretch a finished decay by itself)."""
+    from tierstack.training.optim import schedule_changes
+
+    changes = schedule_changes(scheduler)  # none with override_opt_param_scheduler: the config's is in use
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        log.warning("resume: the LR schedule continues the checkpoint's, not this config's: %s. The LR at "
+                    "iteration %d is %.3g. Set scheduler.override_opt_param_scheduler=true to follow this "
+                    "config's schedule from here on", "; ".join(changes), scheduler.num_steps,
+                    scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+
+
 def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextlib.ExitStack, register) -> SetupOutput:
     from tierstack.resiliency.restarts import record_start
 
@@ -193,6 +206,8 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     register(stack, "checkpoint manager", ckpt.close)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     resume_info = ckpt.resume(objs)
+    if resume_info is not None:
+        _report_schedule(scheduler)
     if tracker is not None:
         run_id = tracker.start(
             cfg.flat_params(),

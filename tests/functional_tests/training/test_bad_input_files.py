@@ -224,3 +224,29 @@ def test_fresh_global_dir_next_to_an_old_local_dir_is_a_new_run(tmp_path, base, 
             assert json.loads(f.with_name(f"iter_{step:07d}_{rank}_local.manifest.json").read_text())["run_id"] == old_id
         assert (run / "local" / rank / f"iter_0000004_{rank}_local.pt").exists()  # the new run's own
         assert not (run / "local" / rank / f"iter_0000002_{rank}_local.pt").exists()  # its retention (k=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override", [False, True])
+def test_a_longer_run_keeps_the_checkpoints_lr_schedule_and_says_so_unless_told_to_follow_the_config(
+        tmp_path, base, data, torchrun, override):
+    """The base run (10 iterations) decayed its LR over 21 steps (warmup 20 + 1). Going on to 30:
+    by default the checkpoint's schedule goes on (min LR from step 21) and the log says which value
+    differs and how to follow the config; ``scheduler.override_opt_param_scheduler=true`` follows the
+    config's cosine over 30 steps, halfway down at step 25."""
+    run = _copy_base(base, tmp_path)
+    proc, log = _launch(torchrun, tmp_path, *_common(run, data), "train.train_iters=30", "logger.log_interval=1",
+                        f"scheduler.override_opt_param_scheduler={str(override).lower()}")
+    assert proc.returncode == 0, log[-6000:]
+    warned = [line for line in log.splitlines() if "the LR schedule continues the checkpoint's" in line]
+    lr = {m["step"]: m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+          if "lr" in m}
+    max_lr, min_lr = 3e-3, 3e-4  # gpt_tiny: optimizer.lr, min_lr = lr / 10
+    if override:
+        assert not warned
+        assert lr[25] == pytest.approx(min_lr + (max_lr - min_lr) * 0.5, rel=1e-6)
+    else:
+        assert len(warned) == 1, log[-6000:]
+        assert "scheduler.lr_decay_iters (default train.train_iters): 21 (this config: 30)" in warned[0]
+        assert "scheduler.override_opt_param_scheduler=true" in warned[0]
+        assert lr[25] == pytest.approx(min_lr, rel=1e-6)

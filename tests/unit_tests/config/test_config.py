@@ -17,6 +17,19 @@ def test_overrides_set_typed_values_and_toggle_optional_sections():
     assert cfg.straggler is None
 
 
+def test_a_new_run_dir_takes_the_recipes_checkpoint_directories_with_it_unless_they_are_given():
+    from tierstack.recipes import gpt_tiny_config
+
+    cfg = gpt_tiny_config().apply_overrides(["logger.run_dir=runs/pp2"])
+    assert (cfg.checkpoint.save, cfg.checkpoint.local_dir) == ("runs/pp2/checkpoints", "runs/pp2/local")
+    cfg = gpt_tiny_config().apply_overrides(["checkpoint.local_dir=/local/me", "logger.run_dir=runs/b"])
+    assert (cfg.checkpoint.save, cfg.checkpoint.local_dir) == ("runs/b/checkpoints", "/local/me")
+    cfg = ConfigContainer().apply_overrides(["checkpoint.save=/shared/ckpt", "logger.run_dir=runs/c"])
+    assert cfg.checkpoint.save == "/shared/ckpt"  # outside the old run directory: left as it is
+    cfg = gpt_tiny_config().apply_overrides(["train.train_iters=5"])  # no run_dir given: nothing moves
+    assert cfg.checkpoint.save == gpt_tiny_config().checkpoint.save
+
+
 def test_unknown_keys_and_bad_values_are_all_reported_with_their_names():
     with pytest.raises(ConfigError) as err:
         ConfigContainer().apply_overrides(["model.nm_layers=3", "train.train_iters=abc", "bogus.x=1", "noequals"])
