@@ -274,8 +274,10 @@ class LocalTier(StagedTier):
         self._retain_when_settled(step, lambda: (retention.prune_local(rank_dir, rank, run_id, step, k),
                               replicas(), retention.prune_quarantined(rank_dir, budget)), f"after step {step}")
         if self.layout.rank == 0:
+            where = (f"each node's checkpoint.local_dir ({self.root} on rank 0's node)"
+                     if self.layout.num_nodes > 1 else str(self.root))
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
-                     job.step, self.root, job.blocked_s, self.last_durable_s)
+                     job.step, where, job.blocked_s, self.last_durable_s)
 
     def _unseal(self, step: int) -> None:
         """This rank's sealed files of ``step`` (and the replicas it holds of it) are removed: the

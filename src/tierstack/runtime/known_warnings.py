@@ -4,7 +4,8 @@ On a CPU, megatron-core 0.16.1 warns on every rank that Transformer Engine and A
 times, at the import of each module with a fused kernel) and that ``CUDA_DEVICE_MAX_CONNECTIONS``
 is unset (a CUDA stream setting); torch warns at import that the ``pynvml`` package (an
 nvidia-resiliency-ext dependency) is deprecated, and at every LOCAL replica exchange that
-nvidia-resiliency-ext calls a deprecated helper. None of them changes what a run computes.
+nvidia-resiliency-ext calls a deprecated helper, and at a resharding GLOBAL load that megatron-core
+uses torch APIs torch deprecates. None of them changes what a run computes.
 :func:`install_import_filters` and :func:`install_cpu_filters` ignore exactly those warnings, each
 matched by its message and the module that issues it; every other warning stays visible.
 :func:`absent_gpu_packages` gives the one line a run prints instead.
@@ -29,6 +30,14 @@ _IMPORT_TIME = (
      r"nvidia_resiliency_ext\.checkpointing\.local\.replication\._torch_future\Z"),
     (r"Multiple backends are registered with this ProcessGroup", UserWarning,
      r"nvidia_resiliency_ext\.checkpointing\.local\.replication\._torch_future\Z"),
+    # megatron-core 0.16.1's torch_dist load (dist_checkpointing/strategies/torch.py) calls
+    # torch.distributed.checkpoint's deprecated load_state_dict and builds ShardedTensors, which torch
+    # deprecates: once per rank at every GLOBAL load with another topology (a resharding resume).
+    # On the CPU the ShardedTensor call passes through cpu_compat's torch-function mode.
+    (r"`load_state_dict` is deprecated and will be removed in future versions\. Please use `load` instead",
+     FutureWarning, r"megatron\.core\.dist_checkpointing\.strategies\.torch\Z"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     r"(megatron\.core\.dist_checkpointing\..*|tierstack\.runtime\.cpu_compat)\Z"),
 )
 _CPU_ONLY = (
     # megatron/core/{optimizer/__init__,optimizer/optimizer,optimizer/clip_grads}.py and

@@ -46,6 +46,17 @@ def test_pynvml_notice_of_torch_cuda_is_filtered():
     assert not _shown("The pynvml package is deprecated. Please install nvidia-ml-py instead.", FutureWarning, "torch.cuda")
 
 
+@pytest.mark.parametrize("message,module", [
+    ("`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
+     "megatron.core.dist_checkpointing.strategies.torch"),
+    ("Please use DTensor instead and we are deprecating ShardedTensor.", "tierstack.runtime.cpu_compat"),
+    ("Please use DTensor instead and we are deprecating ShardedTensor.", "megatron.core.dist_checkpointing.mapping"),
+])
+def test_torch_deprecations_of_megatrons_resharding_load_are_filtered_there_only(message, module):
+    assert not _shown(message, FutureWarning, module)
+    assert _shown(message, FutureWarning, "my_package.checkpoint")
+
+
 @pytest.mark.parametrize("message,category,module", [
     # another message from a filtered module
     ("Apex is not installed. Falling back to Torch Norm, and something else", UserWarning, "megatron.core.models.backends"),
