@@ -14,6 +14,7 @@ import torch
 
 from tierstack import runtime
 from tierstack.checkpointing.types import TrainingObjects
+from tierstack.training.optim import load_scheduler_state, scheduler_state
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def build(objs: TrainingObjects, *, is_loading: bool, optim: bool, rng: bool) ->
     model_sd = unwrap(objs.model[0]).sharded_state_dict()
     sd: dict = {
         MODEL: model_sd,
-        SCHEDULER: objs.scheduler.state_dict(),
+        SCHEDULER: scheduler_state(objs.scheduler),
         TRAIN_STATE: objs.train_state.state_dict(),
     }
     if optim:
@@ -192,7 +193,7 @@ def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> Non
             reload = getattr(opt, "reload_model_params", None)
             if reload is not None:
                 reload()
-    objs.scheduler.load_state_dict(loaded[SCHEDULER])
+    load_scheduler_state(objs.scheduler, objs.optimizer, loaded[SCHEDULER])
     objs.train_state.load_state_dict(loaded[TRAIN_STATE])
     if rng and loaded.get(RNG) is not None:
         runtime.set_rng_state(loaded[RNG])

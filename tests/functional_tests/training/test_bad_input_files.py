@@ -236,17 +236,19 @@ def test_a_longer_run_keeps_the_checkpoints_lr_schedule_and_says_so_unless_told_
     config's cosine over 30 steps, halfway down at step 25."""
     run = _copy_base(base, tmp_path)
     proc, log = _launch(torchrun, tmp_path, *_common(run, data), "train.train_iters=30", "logger.log_interval=1",
+                        "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",  # the base run had 3e-3 and 3e-4
                         f"scheduler.override_opt_param_scheduler={str(override).lower()}")
     assert proc.returncode == 0, log[-6000:]
     warned = [line for line in log.splitlines() if "the LR schedule continues the checkpoint's" in line]
     lr = {m["step"]: m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
           if "lr" in m}
-    max_lr, min_lr = 3e-3, 3e-4  # gpt_tiny: optimizer.lr, min_lr = lr / 10
-    if override:
+    if override:  # this config's peak and floor, cosine over 30 steps after 20 of warmup
         assert not warned
-        assert lr[25] == pytest.approx(min_lr + (max_lr - min_lr) * 0.5, rel=1e-6)
-    else:
+        assert lr[25] == pytest.approx(1e-4 + (1e-3 - 1e-4) * 0.5, rel=1e-6)
+        assert lr[11] == pytest.approx(1e-3 * 11 / 20, rel=1e-6)  # the first iteration after the resume
+    else:  # the checkpoint's: decayed over 21 steps to its floor
         assert len(warned) == 1, log[-6000:]
         assert "scheduler.lr_decay_iters (default train.train_iters): 21 (this config: 30)" in warned[0]
+        assert "optimizer.lr: 0.003 (this config: 0.001)" in warned[0]
         assert "scheduler.override_opt_param_scheduler=true" in warned[0]
-        assert lr[25] == pytest.approx(min_lr, rel=1e-6)
+        assert lr[25] == pytest.approx(3e-4, rel=1e-6)
