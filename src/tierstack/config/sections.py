@@ -321,6 +321,12 @@ class CheckpointConfig(_Section):
                 p.append(f"checkpoint.{name}={getattr(self, name)}: {problem}")
         if self.load is not None and Path(self.load).exists() and not os.access(self.load, os.R_OK | os.X_OK):
             p.append(f"checkpoint.load={self.load}: not readable")
+        elif self.load is not None and not Path(self.load).exists() and (
+                self.save is None or Path(self.load).resolve() != Path(self.save).resolve()):
+            # a directory given to resume from that is not there is a typo or a missing mount, not a
+            # fresh start (leaving it unset resumes from checkpoint.save, or starts fresh there)
+            p.append(f"checkpoint.load={self.load}: does not exist; to start fresh, leave checkpoint.load unset "
+                     "(it defaults to checkpoint.save)")
         return p
 
     def _best_problems(self) -> list[str]:

@@ -201,3 +201,15 @@ def test_pretrained_best_needs_the_best_tracker(tmp_path):
         cfg.validate(world_size=1)
     (tmp_path / "iter_0000020").mkdir()
     cfg.validate(world_size=1)
+
+
+def test_a_load_directory_that_does_not_exist_is_refused_unless_it_is_the_save_directory(tmp_path):
+    """``checkpoint.load`` pointing nowhere (a typo, a missing mount) used to start a fresh run
+    with only "no checkpoint found"; the save directory itself may not exist yet (a first launch)."""
+    cfg = ConfigContainer().apply_overrides([f"checkpoint.save={tmp_path}/run", f"checkpoint.load={tmp_path}/typo"])
+    with pytest.raises(ConfigError, match=r"checkpoint.load=.*/typo: does not exist; to start fresh, leave "
+                                          r"checkpoint.load unset"):
+        cfg.validate(1)
+    ConfigContainer().apply_overrides([f"checkpoint.save={tmp_path}/run", f"checkpoint.load={tmp_path}/run/"]).validate(1)
+    (tmp_path / "elsewhere").mkdir()
+    ConfigContainer().apply_overrides([f"checkpoint.save={tmp_path}/run", f"checkpoint.load={tmp_path}/elsewhere"]).validate(1)
