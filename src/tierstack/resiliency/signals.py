@@ -55,3 +55,40 @@ class ExitRequest:
             except (ValueError, TypeError):
                 pass
         self._previous = {}
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_launcher() -> bool:
+    """Ask Linux to send this rank SIGTERM when its launcher dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    torchrun starts each rank in a session of its own, so a launcher killed with SIGKILL (an
+    out-of-memory kill, ``kill -9``, a node agent gone) left its ranks training as orphans: they
+    went on writing the run's checkpoints while a relaunch on the same run directory resumed and
+    wrote beside them. With this, such a rank gets SIGTERM, a planned exit: it checkpoints and stops
+    with the other ranks (:class:`ExitRequest`). The signal comes when the thread that started the
+    rank exits; torchrun's agent starts ranks from its main thread.
+
+    Returns:
+        True when set; False where ``prctl`` is unavailable (not Linux). A launcher that died in
+        the instant of this call is seen (the parent changed) and gives the same SIGTERM; one that
+        died earlier, while the rank imported, is not (the parent is then not known).
+    """
+    import ctypes
+    import ctypes.util
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the launcher died while the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

@@ -140,7 +140,11 @@ def setup(cfg: ConfigContainer, closers: Optional[contextlib.ExitStack] = None) 
 
 
 def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
+    from tierstack.resiliency.signals import stop_with_the_launcher
     from tierstack.training.closers import register
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: never outlive the launcher
+        stop_with_the_launcher()
 
     layout = runtime.initialize_distributed(
         tensor_model_parallel_size=cfg.distributed.tensor_model_parallel_size,
