@@ -1,4 +1,5 @@
-"""Planned exits: SIGTERM/SIGINT become a request to checkpoint and stop at the next step boundary."""
+"""Planned exits: SIGTERM (and SIGHUP, the launcher gone) become a request to checkpoint and stop
+at the next step boundary."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ log = logging.getLogger(__name__)
 
 
 class ExitRequest:
-    """Records SIGTERM (the scheduler's pre-emption notice) and lets all ranks agree on it.
+    """Records SIGTERM (the scheduler's pre-emption notice) or SIGHUP (the launcher died, see
+    :func:`stop_with_the_launcher`) and lets all ranks agree on it.
 
     The handler only sets a flag; :meth:`agreed` runs one all-reduce at a step boundary, so every
     rank stops after the same step and the GLOBAL checkpoint taken then is complete.
     A second signal restores the default handler, so a third one kills the process as usual.
     """
 
-    def __init__(self, signals: tuple = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGHUP)):
         self._requested: Optional[str] = None
         self._previous = {}
         for sig in signals:
@@ -30,6 +32,11 @@ class ExitRequest:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:  # the launcher died (stop_with_the_launcher); may come several times
+            if self._requested is None:
+                self._requested = "SIGHUP (the launcher is gone)"
+                log.warning("the launcher is gone (SIGHUP): will save a GLOBAL checkpoint and stop after this step")
+            return
         if self._requested is not None:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
         self._requested = name
@@ -61,18 +68,21 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def stop_with_the_launcher() -> bool:
-    """Ask Linux to send this rank SIGTERM when its launcher dies (``prctl(PR_SET_PDEATHSIG)``).
+    """Ask Linux to send this rank SIGHUP when its launcher dies (``prctl(PR_SET_PDEATHSIG)``).
 
     torchrun starts each rank in a session of its own, so a launcher killed with SIGKILL (an
     out-of-memory kill, ``kill -9``, a node agent gone) left its ranks training as orphans: they
     went on writing the run's checkpoints while a relaunch on the same run directory resumed and
-    wrote beside them. With this, such a rank gets SIGTERM, a planned exit: it checkpoints and stops
-    with the other ranks (:class:`ExitRequest`). The signal comes when the thread that started the
-    rank exits; torchrun's agent starts ranks from its main thread.
+    wrote beside them. With this, such a rank gets SIGHUP, a planned exit: it checkpoints and stops
+    with the other ranks (:class:`ExitRequest`). The signal comes each time the rank's parent
+    *thread* exits: a dying multi-threaded launcher hands the rank to its other threads one after
+    the other, so it can come several times (seen: 2-3), which is why it is SIGHUP, counted once,
+    and not SIGTERM, whose third delivery kills (before training starts, the default action of
+    SIGHUP ends the rank).
 
     Returns:
         True when set; False where ``prctl`` is unavailable (not Linux). A launcher that died in
-        the instant of this call is seen (the parent changed) and gives the same SIGTERM; one that
+        the instant of this call is seen (the parent changed) and gives the same SIGHUP; one that
         died earlier, while the rank imported, is not (the parent is then not known).
     """
     import ctypes
@@ -85,10 +95,10 @@ def stop_with_the_launcher() -> bool:
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGHUP), 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
     if os.getppid() != parent:  # the launcher died while the request was made
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGHUP)
     return True
