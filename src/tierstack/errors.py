@@ -22,6 +22,15 @@ class BadInputError(Exception):
     """
 
 
+def report_on_rank_0(message: str) -> None:
+    """Log a refusal on rank 0 (``RANK`` unset counts as 0: a process that is not a rank), with a
+    plain console handler when logging is not configured yet."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("tierstack").error("%s", message)
+
+
 def say_once(exc: BadInputError) -> None:
     """Log ``exc``'s message on rank 0 (``RANK`` unset counts as 0) and mark it said.
 
@@ -30,13 +39,9 @@ def say_once(exc: BadInputError) -> None:
     the exit path of rank 0 could be lost when another rank exits first. ``exc.said`` tells the
     caller that rank 0 printed it already.
     """
-    if int(os.environ.get("RANK", "0")) == 0 and not getattr(exc, "said", False):
-        if not logging.getLogger().handlers:
-            logging.basicConfig(level=logging.INFO, format="%(message)s")
-        logging.getLogger("tierstack").error("%s", exc)
-        for handler in logging.getLogger().handlers + logging.getLogger("tierstack").handlers:
-            handler.flush()
+    if not getattr(exc, "said", False):
+        report_on_rank_0(str(exc))  # a StreamHandler flushes every record
     exc.said = True
 
 
-__all__ = ["BadInputError", "say_once"]
+__all__ = ["BadInputError", "report_on_rank_0", "say_once"]

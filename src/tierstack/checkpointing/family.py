@@ -32,7 +32,6 @@ Checkpoints of another family are never resumed, counted by retention or deleted
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -231,9 +230,6 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler], fa
     return bool(found)
 
 
-_LOCAL_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.")
-
-
 def _files_of(family: Optional[str], handlers: Sequence[CheckpointTierHandler]) -> list[str]:
     """Collective: the checkpoint files and directories of run ``family`` (or of no recorded run)
     that any rank sees in any tier's root, deciding or not, its replicas included. Another run's
@@ -258,9 +254,9 @@ def _files_of(family: Optional[str], handlers: Sequence[CheckpointTierHandler]) 
 
 def _recorded_run(path: Path) -> Optional[str]:
     """The run id the manifest of a GLOBAL step directory or LOCAL file records; None without one."""
-    m = _LOCAL_NAME.match(path.name)
-    man = (paths.read_json(path.with_name(paths.local_manifest_name(int(m.group(1)), int(m.group(2)))))
-           if m else paths.read_json(path / paths.MANIFEST) if path.is_dir() else None)
+    parsed = paths.parse_local_name(path.name)
+    man = (paths.read_json(path.with_name(paths.local_manifest_name(*parsed)))
+           if parsed else paths.read_json(path / paths.MANIFEST) if path.is_dir() else None)
     return None if man is None else man.get("run_id")
 
 
@@ -274,5 +270,5 @@ def _not_history(path: str, chosen) -> bool:
     name = Path(path).name
     if name == paths.RUN_FILE or paths.is_leftover(name):
         return True
-    m = _LOCAL_NAME.match(name)
-    return m is not None and (CheckpointTier.LOCAL, int(m.group(1))) in chosen.interrupted
+    parsed = paths.parse_local_name(name)
+    return parsed is not None and (CheckpointTier.LOCAL, parsed[0]) in chosen.interrupted

@@ -161,7 +161,7 @@ def _agreement(root: Path, valid: dict[int, dict]) -> list[str]:
 def _local_rows(root: Path, checksums: bool) -> list[tuple]:
     per_step: dict[int, list] = defaultdict(list)
     leftovers: list[Path] = []
-    ranks = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+    ranks = [int(d.name) for d in paths.rank_dirs(root)]
     for r in ranks:
         for f in (root / str(r)).iterdir():
             parsed = paths.parse_local_file(f.name)
@@ -171,7 +171,7 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
                 continue
             per_step[parsed[0]].append((r, *_check_local_file(f, parsed, checksums)))
     # a step whose .dirty file some rank left was never sealed on every rank: an interrupted save
-    interrupted = {paths.parse_local_file(f.name.split(".")[0] + ".pt") for f in leftovers if f.name.endswith(".dirty.pt")}
+    interrupted = {paths.parse_local_name(f.name) for f in leftovers if f.name.endswith(".dirty.pt")}
     interrupted_steps = {parsed[0] for parsed in interrupted if parsed}
     rows = []
     for step in paths.sorted_steps(per_step):
@@ -187,7 +187,7 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
         rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, where))
     for f in leftovers:
         kind = "quarantined" if ".invalid-" in f.name else "leftover"
-        step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
+        step = paths.parse_local_name(f.name)
         rows.append(_row("local", step[0] if step else "-", 0, 1, kind, None, f"{f.parent.name}/{f.name}", kind))
     return rows + _replica_rows(root / REPLICAS_DIR, checksums)
 
@@ -218,12 +218,12 @@ def _replica_rows(folder: Path, checksums: bool) -> list[tuple]:
         return []
     per_step: dict[int, list] = defaultdict(list)
     rows = []
-    for owner_dir in sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+    for owner_dir in paths.rank_dirs(folder):
         for f in sorted(owner_dir.iterdir()):
             parsed = paths.parse_local_file(f.name)
             if parsed is None:
                 if paths.is_leftover(f.name.lstrip(".")):
-                    step = paths.parse_local_file(f.name.split(".")[0] + ".pt")
+                    step = paths.parse_local_name(f.name)
                     rows.append(_row("local", step[0] if step else "-", 0, 1, "leftover", None,
                                      f"{REPLICAS_DIR}/{owner_dir.name}/{f.name}", "leftover"))
                 continue

@@ -49,15 +49,8 @@ def _manifest_step(name: str, owner: int) -> Optional[int]:
     """The step of ``owner``'s LOCAL manifest named ``name``; None for any other name."""
     if not name.endswith("_local.manifest.json"):
         return None
-    parsed = paths.parse_local_file(name[: -len(".manifest.json")] + ".pt")
+    parsed = paths.parse_local_name(name)
     return parsed[0] if parsed is not None and parsed[1] == owner else None
-
-
-def _rank_dirs(folder: Path) -> list[Path]:
-    """The sub-folders of ``folder`` named by a rank (none when ``folder`` does not exist)."""
-    if not folder.is_dir():
-        return []
-    return sorted((d for d in folder.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -103,7 +96,7 @@ class ReplicaStore:
         """Ids (``"<step>:<owner>"``) of the files this rank holds, own and replicas, of ``run_id``
         with a well-formed manifest and a file of the recorded size (the checksum is checked by
         whoever uses the bytes)."""
-        owners = [self.rank] + [int(d.name) for d in _rank_dirs(self.root / REPLICAS_DIR) if int(d.name) != self.rank]
+        owners = [self.rank] + [int(d.name) for d in paths.rank_dirs(self.root / REPLICAS_DIR) if int(d.name) != self.rank]
         out = []
         for owner in owners:
             folder = self.folder(owner)
@@ -175,9 +168,9 @@ class ReplicaStore:
         between the two renames leaves, and the next resume completes that move.
         """
         moves = [(d, self.root / REPLICAS_DIR / d.name, "held as a replica for that rank now on another node")
-                 for d in _rank_dirs(self.root) if int(d.name) not in self.node_ranks]
+                 for d in paths.rank_dirs(self.root) if int(d.name) not in self.node_ranks]
         moves += [(d, self.root / d.name, "adopted as that rank's own file (a replica on the owner's own node)")
-                  for d in _rank_dirs(self.root / REPLICAS_DIR)
+                  for d in paths.rank_dirs(self.root / REPLICAS_DIR)
                   if int(d.name) in self.node_ranks and not self._keeps(int(d.name))]
         lines = []
         for src, dst, why in moves:
@@ -226,8 +219,8 @@ class ReplicaStore:
         where they belong), so every step of ``run_id`` older than ``step`` goes
         (``most_recent_k`` = -1, keep all, keeps them too), and so do the interrupted writes and
         stores there. Another run's files stay. An empty folder is removed."""
-        strays = [d for d in _rank_dirs(self.root) if int(d.name) not in self.node_ranks]
-        strays += [d for d in _rank_dirs(self.root / REPLICAS_DIR) if not self._keeps(int(d.name))]
+        strays = [d for d in paths.rank_dirs(self.root) if int(d.name) not in self.node_ranks]
+        strays += [d for d in paths.rank_dirs(self.root / REPLICAS_DIR) if not self._keeps(int(d.name))]
         for folder in strays:
             retention.prune_local(folder, int(folder.name), run_id, step, min(k, 1))
             retention.prune_leftovers_upto(folder, step)

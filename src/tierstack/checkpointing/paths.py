@@ -45,6 +45,7 @@ READABLE_FORMAT_VERSIONS = (1, 2)  # 1: CRC-32 checksums, LOCAL files written by
 
 _GLOBAL_DIR = re.compile(r"^iter_(\d+)$")
 _LOCAL_FILE = re.compile(r"^iter_(\d+)_(\d+)_local\.pt$")
+_LOCAL_STEM = re.compile(r"^iter_(\d+)_(\d+)_local(?:\.|$)")
 
 
 def step_dir_name(step: int) -> str:
@@ -115,6 +116,22 @@ def parse_local_file(name: str) -> Optional[tuple[int, int]]:
     """``(step, rank)`` of a published LOCAL file name; None for ``.dirty``/quarantined/others."""
     m = _LOCAL_FILE.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_local_name(name: str) -> Optional[tuple[int, int]]:
+    """``(step, rank)`` of any name made from a LOCAL file's: the file, its manifest, and their
+    ``.dirty``, temp (``<name>.tmp-*``) and quarantined (``<name>.invalid-*``) forms; None for
+    others (a temp file's leading dot is the caller's to strip)."""
+    m = _LOCAL_STEM.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def rank_dirs(folder: Path) -> list[Path]:
+    """The sub-folders of ``folder`` named by a rank (LOCAL rank folders, ``replicas/<owner>``),
+    in rank order; none when ``folder`` does not exist."""
+    if not folder.is_dir():
+        return []
+    return sorted((d for d in folder.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
 
 
 def sorted_steps(steps) -> list[int]:

@@ -16,7 +16,6 @@ directory, and the oldest beyond it are removed, each removal logged (:func:`pru
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
@@ -24,8 +23,6 @@ from typing import Iterable, Optional
 from tierstack.checkpointing import paths
 
 log = logging.getLogger(__name__)
-
-_STEP_PREFIX = re.compile(r"iter_(\d+)_")
 
 
 def steps_to_delete(own_steps: Iterable[int], published: int, k: int,
@@ -109,8 +106,8 @@ def prune_leftovers_upto(folder: Path, step: int) -> list[Path]:
         name = p.name.lstrip(".")
         if not (name.endswith(".dirty.pt") or ".tmp-" in name):
             continue
-        m = _STEP_PREFIX.match(name)
-        if m is None or int(m.group(1)) > step:
+        parsed = paths.parse_local_name(name)
+        if parsed is None or parsed[0] > step:
             continue
         log.info("retention: removing %s, left by an interrupted replica store", p)
         if _try(lambda q: q.unlink(missing_ok=True), p):

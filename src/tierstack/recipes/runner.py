@@ -23,7 +23,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from tierstack.config import ConfigContainer, ConfigError
-from tierstack.errors import BadInputError
+from tierstack.errors import BadInputError, report_on_rank_0
 
 log = logging.getLogger("tierstack")
 
@@ -38,10 +38,7 @@ def under_torchrun() -> bool:
 
 def _report(message: str) -> None:
     """Print a refusal once: on rank 0 (or in a process that is not a rank)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        if not logging.getLogger().handlers:
-            logging.basicConfig(level=logging.INFO, format="%(message)s")
-        log.error("%s", message)
+    report_on_rank_0(message)
 
 
 def run(
