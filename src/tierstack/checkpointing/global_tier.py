@@ -178,10 +178,11 @@ class GlobalTier(StagedTier):
 
         def plan():
             global_writer.stage_sharded_tensors(sd, self._stager)
-            with rank0_phases.deferring():  # rank 0's common.pt write fails after megatron's collectives
-                return dist_checkpointing.save(
-                    sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True
-                )
+            # No rank-0-only write here since megatron-core 0.19 (the common state is a shard): see rank0_phases.
+            return dist_checkpointing.save(
+                sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True,
+                async_strategy="mcore",  # threads, no clone of the staged buffers (global_writer)
+            )
 
         return retry.run_agreed(plan)
 
@@ -196,7 +197,7 @@ class GlobalTier(StagedTier):
         """Collective: manifest, then rank 0 renames and updates trackers.
 
         ``described``: this rank's entries of the files its writer wrote (checksummed there); the
-        files no rank's writer wrote (megatron's metadata, common.pt, run_config.yaml) are
+        files no rank's writer wrote (megatron's ``.metadata`` and ``metadata.json``, run_config.yaml) are
         checksummed here, split over ranks.
         """
 

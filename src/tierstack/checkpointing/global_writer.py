@@ -1,26 +1,32 @@
 """How the GLOBAL tier feeds megatron-core's torch_dist writer from reused staging buffers, and runs
-its write plan on our writer thread instead of a forked process.
+megatron's threaded writer on our writer thread with retries.
 
-megatron-core 0.16.1 (``dist_checkpointing.save(..., async_sharded_save=True)``) returns an
-``AsyncRequest`` whose ``async_fn`` is ``FileSystemWriterAsync.write_preloaded_data_multiproc``:
-meant to run in a process of megatron's ``AsyncCallsQueue`` (forked per save on CPU, because the
-persistent worker selects a CUDA device at start), it forks one more process per write bucket.
-Each fork makes the training process's memory copy-on-write while the writer lives, so the next
-step faults on every page of weights and Adam state it updates. What megatron allows instead:
+megatron-core 0.19 (``dist_checkpointing.save(..., async_sharded_save=True, async_strategy="mcore")``)
+returns an ``AsyncRequest`` whose ``async_fn`` is ``FileSystemWriterAsync.write_preloaded_data_multithread``:
+it writes each bucket (file) of this rank on a thread of its own, with fsync, and puts the write
+results (or the first error) into a results queue. What tierstack adds around it:
 
-- the write plan resolves each ``ShardedTensor.data``; replacing them by staging buffers (each with
-  its own storage, so ``_clone_if_needed`` does not clone them, and already on the host, so
-  ``preload_tensors`` has nothing to copy) makes the plan read from the buffers;
-- ``FileSystemWriterAsync.write_preloaded_data`` writes one bucket (file) with fsync and reports
-  through plain queues; calling it per bucket on our writer thread, then handing the results to
-  the request's results queue, is what ``write_preloaded_data_multiproc`` does without the forks.
-  megatron's own finalize (gathering the write results, the ``.metadata`` file) then runs unchanged.
+- staging: the write plan resolves each ``ShardedTensor.data``; replacing them by the tier's reused
+  staging buffers (each with its own storage, so megatron's ``_clone_or_dequantize_if_needed`` does not
+  clone them, and already on the host, so there is nothing to preload) makes the plan read from the
+  buffers, which the non-finite guard checks and the next save refills in place;
+- retries: a transient error (EIO, ESTALE, ...) of an attempt rewrites this rank's files whole, each
+  attempt reporting into a queue of its own; only the successful attempt's results reach the
+  request's results queue, which megatron's finalize reads;
+- checksums: each file this rank wrote is checksummed (CRC-32C) for the tier's manifest.
+
+Why ``async_strategy="mcore"`` and not the default ``"nvrx"``: nvidia-resiliency-ext 0.7's
+``FileSystemWriterAsync.prepare_write_data`` clones every CPU tensor on the training thread
+(``_clone_or_dequantize_if_needed``: ``ten.clone()`` for any CPU tensor unless its CPU shared-memory
+mode is on), so a save would copy the state twice while training waits. megatron-core marks its own
+path deprecated (a warning at the first save, filtered by ``runtime.known_warnings``); it is in every
+0.19.x release, which is what ``pyproject.toml`` admits.
 
 The write results travel through megatron's module-level results queue, which megatron creates as
 a queue served by a spawned multiprocessing Manager: a process per rank that imports torch when it
 first unpickles a result (about 5 s of CPU on this machine, at every start and restart), outlives a
 killed rank unless watched, and dies on a job-wide SIGTERM that the rank turns into a planned exit
-that still needs it. Since every write here runs on a thread of the rank itself, the queue only
+that still needs it. Since every write here runs on threads of the rank itself, the queue only
 ever crosses threads: :func:`start_results_channel` puts a plain ``queue.Queue`` in its place.
 """
 
@@ -55,10 +61,11 @@ def stage_sharded_tensors(sharded_state_dict: dict, stager: Stager) -> None:
 
 
 def write_request(request, staging: Path, *, attempts: int, backoff_s: float) -> dict[str, dict]:
-    """Writer thread: write this rank's buckets of a megatron ``AsyncRequest``, fsync'd.
+    """Writer thread: write this rank's files of a megatron ``AsyncRequest`` with megatron's threaded
+    writer (one thread per bucket, fsync'd), then checksum them.
 
-    Transient I/O errors (classified by root cause, :mod:`errors`) of a bucket are retried
-    (``attempts`` in all, backoff doubling from ``backoff_s``); the bucket's file is rewritten
+    A transient I/O error of an attempt (classified by root cause, :mod:`errors`) is retried
+    (``attempts`` in all, backoff doubling from ``backoff_s``); every file of this rank is rewritten
     whole. Then each file this rank wrote is checksummed (CRC-32C, from the page cache right after
     the write), also retried on a transient read error. Every failed attempt is logged with the
     rank, path and errno.
@@ -67,29 +74,24 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
         ``{file name relative to staging: {"size", "crc32c"}}`` of this rank's files.
 
     Raises:
-        The bucket's write error (OSError, ...) when it is permanent or attempts ran out.
+        The write error (OSError, ...) when it is permanent or attempts ran out.
     """
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
     if request.async_fn is None:  # nothing to write on this rank
         return {}
-    transform_list, _use_msc = request.async_fn.args
-    _rank, buckets, results_queue = request.async_fn_args
-    results: dict = {}
+    rank, buckets, results_queue = request.async_fn_args
 
-    def write_bucket(i: int, bucket) -> None:
-        local, count = queue.Queue(), queue.Queue()
-        count.put(i)
-        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True)
-        _idx, out = local.get()
+    def write_all() -> dict:
+        mine: queue.Queue = queue.Queue()  # this attempt's outcome only: a failed one never reaches finalize
+        request.async_fn(rank, buckets, mine)
+        out = mine.get_nowait()
         if isinstance(out, OSError) and out.filename is None:
-            out.filename = str(bucket[0])  # a stream's write error carries no path: name the file
-        if isinstance(out, Exception):
+            # a stream's write error carries no path: name the file when there is one, else the directory
+            out.filename = str(buckets[0][0]) if len(buckets) == 1 else str(staging)
+        if isinstance(out, BaseException):
             raise out
-        results[i] = out
+        return out
 
-    for i, bucket in enumerate(buckets):
-        _with_retries(lambda: write_bucket(i, bucket), f"GLOBAL write of {bucket[1]}", attempts, backoff_s)
+    results = _with_retries(write_all, f"GLOBAL write of {staging.name}", attempts, backoff_s)
     results_queue.put(results)
     names = [bucket[1] for bucket in buckets]
     return _with_retries(lambda: manifest.describe_files(staging, names),

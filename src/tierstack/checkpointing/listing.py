@@ -57,17 +57,37 @@ def _step_disagreement(d: Path, man: dict, step: int, deep: bool) -> Optional[st
     ts_step = man.get("train_state", {}).get("step")
     if ts_step != step:
         return f"step-mismatch manifest train_state says {ts_step}"
-    common = d / "common.pt"
-    if deep and common.exists():
-        import torch
-
-        try:
-            embedded = torch.load(common, map_location="cpu", weights_only=False).get("train_state", {}).get("step")
-        except Exception as e:  # noqa: BLE001 - an unreadable file is a damaged checkpoint
-            return f"unreadable common.pt ({type(e).__name__})"
+    if deep and ((d / "common.pt").exists() or (d / ".metadata").exists()):  # the legacy or the 0.19 layout
+        embedded, problem = _embedded_step(d)
+        if problem is not None:
+            return problem
         if embedded is not None and embedded != step:
             return f"step-mismatch embedded TrainState says {embedded}"
     return None
+
+
+def _embedded_step(d: Path) -> tuple[Optional[int], Optional[str]]:
+    """The step of the TrainState inside a GLOBAL checkpoint's common state, and a problem or None.
+
+    Both layouts: megatron-core 0.19 keeps the common state as a ``common_state`` shard inside the
+    torch_dist files; checkpoints of earlier releases (tierstack <= 0.x on megatron-core 0.16) have a
+    ``common.pt``. megatron-core's ``load_common_state_dict`` reads either (``weights_only`` loads).
+    """
+    import logging as _logging
+
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    quiet = _logging.getLogger("megatron.core.dist_checkpointing.strategies.common")
+    level = quiet.level
+    quiet.setLevel(_logging.ERROR)  # load_common's deprecation notice, once per legacy checkpoint
+    try:
+        common = load_common_state_dict(str(d))
+    except Exception as e:  # noqa: BLE001 - an unreadable file is a damaged checkpoint
+        where = "common.pt" if (d / "common.pt").exists() else "common state"
+        return None, f"unreadable {where} ({type(e).__name__})"
+    finally:
+        quiet.setLevel(level)
+    return (common.get("train_state", {}) or {}).get("step") if isinstance(common, dict) else None, None
 
 
 def _row(tier: str, step, size: int, nfiles: int, problem: Optional[str], man: Optional[dict], where: str,

@@ -1,13 +1,15 @@
 """Keep megatron-core's rank-0-only writes from desynchronising the ranks' collectives.
 
-megatron-core 0.16.1 ``dist_checkpointing.save`` has three writes that rank 0 does alone, each
-followed by a collective that every rank enters:
+megatron-core 0.19 ``dist_checkpointing.save`` (async, ``async_strategy="mcore"``) has two writes that
+rank 0 does alone, each followed by a collective that every rank enters:
 
-- ``TorchCommonSaveStrategy.save_common`` (``common.pt``), followed by the torch_dist planning
-  collectives (serialization.py, ``save``);
 - ``FileSystemWriterAsync.finish`` (``.metadata``) inside ``save_state_dict_async_finalize``,
   followed by a broadcast of the failure flag (state_dict_saver.py);
 - ``save_config`` (``metadata.json``) inside ``metadata_finalize_fn``, followed by a barrier.
+
+(Before 0.19 rank 0 also wrote ``common.pt`` alone ahead of the planning collectives; 0.19 stores the
+common state as a ``ShardedObject`` inside the torch_dist files, written by rank 0's writer thread like
+any other shard, so a failure there reaches every rank through the writers' agreement.)
 
 If one of these raises (ENOSPC, EIO), rank 0 leaves megatron while the other ranks wait in the
 next collective, and the run hangs until the process-group timeout. Inside :func:`deferring`,
@@ -16,7 +18,7 @@ as everyone else; :meth:`Deferred.raise_first` then raises the first error on ra
 agreement (``retry.run_agreed``) makes every rank fail, or retry, together; an asynchronous
 save's finalize step can run just the failed calls again (:meth:`Deferred.rerun`).
 
-The wrappers are installed once, on the classes and module that megatron looks them up in at call
+The wrappers are installed once, on the class and module that megatron looks them up in at call
 time, and do nothing outside :func:`deferring`.
 """
 
@@ -92,10 +94,8 @@ def install() -> None:
     if _installed:
         return
     from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies import common, filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    cls = common.TorchCommonSaveStrategy
-    cls.save_common = _deferrable(cls.save_common, "common state (common.pt)")
     writer = filesystem_async.FileSystemWriterAsync
     writer.finish = _deferrable(writer.finish, "torch_dist metadata (.metadata)")
     serialization.save_config = _deferrable(serialization.save_config, "checkpoint config (metadata.json)")

@@ -380,7 +380,7 @@ class RNGConfig(_Section):
 
 @dataclass(kw_only=True)
 class StragglerConfig(_Section):
-    """NVRx straggler detection (``nvidia_resiliency_ext.straggler.Detector``)."""
+    """NVRx straggler detection (``nvidia_resiliency_ext.attribution.straggler.Detector``)."""
 
     report_interval: int = 20  # iterations between reports
     relative_threshold: float = 0.7  # rank flagged when its relative score is below this

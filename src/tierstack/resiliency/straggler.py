@@ -89,7 +89,7 @@ class StragglerMonitor:
     """
 
     def __init__(self, cfg: StragglerConfig, layout: ParallelLayout, node_name: Optional[str] = None) -> None:
-        from nvidia_resiliency_ext.straggler import Detector
+        from nvidia_resiliency_ext.attribution.straggler import Detector
 
         cfg.validate()
         if Detector.initialized:

@@ -113,7 +113,7 @@ def detector_cpu_shims(kernel_profiling: bool = False) -> Iterator[None]:
     if kernel_profiling and gpu:
         yield
         return
-    from nvidia_resiliency_ext.straggler import straggler as nvrx_straggler
+    from nvidia_resiliency_ext.attribution.straggler import straggler as nvrx_straggler
 
     saved_manager = nvrx_straggler.CuptiManager
     saved_sync = torch.cuda.synchronize

@@ -93,66 +93,69 @@ def gloo_group(tmp_path):
         cpu_compat.deactivate()
 
 
-def test_megatron_common_state_write_is_deferred_past_the_plan(gloo_group, tmp_path):
-    """megatron-core writes common.pt on rank 0 alone before its planning collectives; inside
-    ``deferring`` the write error is recorded, the save walks on (the plan is made), and the error
-    is raised at the end with its path and errno, so the caller's agreement sees it on every rank."""
+def test_megatron_plan_writes_nothing_on_rank0_and_the_common_state_is_a_shard(gloo_group, tmp_path):
+    """megatron-core 0.19 has no rank-0-only write before its planning collectives (0.16 wrote
+    ``common.pt`` there, which ``rank0_phases`` had to defer): planning writes no file at all, and the
+    common state travels as a shard in the files our writer writes, so its write errors reach every
+    rank through the writers' agreement. The checkpoint then reads back, common state included."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
+    global_writer.start_results_channel()
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "common.pt").mkdir()  # torch.save onto a directory: a real OSError from the real write
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "note": "common"}
-    planned = []
-    with pytest.raises(RuntimeError, match="Is a directory") as info:  # torch.save's own wrapping
-        with rank0_phases.deferring():
-            planned.append(dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True))
-    assert planned and planned[0] is not None  # megatron went past common.pt into the write plan
-    assert errors.classify(info.value) == errors.PERMANENT  # not a transient errno: not retried
-    # outside ``deferring`` the same write raises where it happens (the wrapper is inert)
-    with pytest.raises(RuntimeError, match="Is a directory"):
-        dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0)), "note": {"step": 7}}
+    try:
+        request = dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True, async_strategy="mcore")
+        assert list(ckpt.iterdir()) == []  # the plan wrote nothing: no rank-0 write to defer
+        global_writer.write_request(request, ckpt, attempts=1, backoff_s=0.0)
+        for fn in request.finalize_fns:
+            fn()
+    finally:
+        global_writer.shutdown_results_channel()
+    assert not (ckpt / "common.pt").exists()
+    assert load_common_state_dict(str(ckpt))["note"] == {"step": 7}
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, str(ckpt))
+    assert torch.equal(loaded["w"], torch.arange(8.0))
 
 
 def test_transient_rank0_metadata_error_reruns_only_the_failed_write(gloo_group, tmp_path):
-    """A retried finalize re-runs only rank 0's failed write (``Deferred.rerun``), after which the
-    real megatron checkpoint loads."""
+    """A retried finalize re-runs only rank 0's failed write (``Deferred.rerun``: here
+    ``metadata.json``), after which the real megatron checkpoint loads."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.strategies import common
 
     rank0_phases.install()
     global_writer.start_results_channel()  # as the GLOBAL tier does before its first save
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))}
-    real = common.TorchCommonSaveStrategy.save_common.__wrapped__
-    fails = [OSError(errno.EIO, "Input/output error", str(ckpt / "common.pt"))]
+    real = serialization.save_config.__wrapped__
+    fails = [OSError(errno.EIO, "Input/output error", str(ckpt / "metadata.json"))]
 
-    def flaky(self, common_state_dict, checkpoint_dir):
+    def flaky(config, checkpoint_dir):
         if fails:
             raise fails.pop()
-        return real(self, common_state_dict, checkpoint_dir)
+        return real(config, checkpoint_dir)
 
-    wrapped = rank0_phases._deferrable(flaky, "common state (common.pt)")
-    saved = common.TorchCommonSaveStrategy.save_common
-    common.TorchCommonSaveStrategy.save_common = wrapped
+    saved = serialization.save_config
+    serialization.save_config = rank0_phases._deferrable(flaky, "checkpoint config (metadata.json)")
     try:
+        request = dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True, async_strategy="mcore")
+        global_writer.write_request(request, ckpt, attempts=1, backoff_s=0.0)  # tierstack's writer
         pending = rank0_phases.Deferred()
         with pytest.raises(OSError) as info:
             with rank0_phases.deferring(pending):
-                request = dist_checkpointing.save(sd, str(ckpt), async_sharded_save=True)
+                for fn in request.finalize_fns:  # megatron's finalize: .metadata, then metadata.json
+                    fn()
         assert errors.classify(info.value) == errors.TRANSIENT and len(pending.calls) == 1
-        pending.rerun()  # the retry: only common.pt is written again
-        assert not pending.calls and (ckpt / "common.pt").is_file()
+        assert (ckpt / ".metadata").is_file() and not (ckpt / "metadata.json").exists()
+        pending.rerun()  # the retry: only metadata.json is written again
+        assert not pending.calls and (ckpt / "metadata.json").is_file()
     finally:
-        common.TorchCommonSaveStrategy.save_common = saved
-    try:  # finish the save as the GLOBAL tier does: tierstack's writer, then megatron's finalize
-        global_writer.write_request(request, ckpt, attempts=1, backoff_s=0.0)
-        for fn in request.finalize_fns:
-            fn()
-    finally:
+        serialization.save_config = saved
         global_writer.shutdown_results_channel()
     loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, str(ckpt))
     assert torch.equal(loaded["w"], torch.arange(8.0))
@@ -183,13 +186,13 @@ def test_a_torch_dist_save_reports_through_an_in_process_queue_and_starts_no_pro
     global_writer.shutdown_results_channel()
     channel = global_writer.start_results_channel()
     assert isinstance(channel, queue.Queue) and global_writer.start_results_channel() is channel
-    assert filesystem_async._get_write_results_queue() is channel  # megatron starts no Manager now
+    assert filesystem_async.get_write_results_queue() is channel  # megatron starts no Manager now
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     try:
         request = dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0))},
-                                          str(ckpt), async_sharded_save=True)
+                                          str(ckpt), async_sharded_save=True, async_strategy="mcore")
         assert request.async_fn_args[2] is channel
         global_writer.write_request(request, ckpt, attempts=1, backoff_s=0.0)  # our writer, this process
         for fn in request.finalize_fns:  # megatron's finalize reads the results from the channel

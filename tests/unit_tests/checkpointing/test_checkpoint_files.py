@@ -16,7 +16,10 @@ def _global_ckpt(root, step, run_id="runA", payload=b"x" * 100):
     d = root / paths.step_dir_name(step)
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(payload)
-    torch.save({"train_state": {"step": step}}, d / "common.pt")  # megatron's common state: embeds the TrainState
+    # the layout of megatron-core 0.16 (legacy, still read): common state in common.pt, embedding the TrainState
+    torch.save({"train_state": {"step": step}}, d / "common.pt")
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                 "common_backend": "torch", "common_backend_version": 1}))
     man = manifest.build_manifest(
         tier="global", step=step, run_id=run_id, topology={"world_size": 2},
         train_state={"step": step, "consumed_train_samples": step * 4},

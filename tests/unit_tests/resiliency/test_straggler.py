@@ -4,8 +4,8 @@ import time
 
 import pytest
 import torch
-from nvidia_resiliency_ext.straggler import Detector
-from nvidia_resiliency_ext.straggler import straggler as nvrx_straggler
+from nvidia_resiliency_ext.attribution.straggler import Detector
+from nvidia_resiliency_ext.attribution.straggler import straggler as nvrx_straggler
 
 from tierstack.config.sections import StragglerConfig
 from tierstack.runtime import ParallelLayout, has_gpu
