@@ -16,6 +16,14 @@ about one ulp. So on a CPU, :func:`install_cpu_hook` arranges for megatron-core'
 ``disable_jit_fuser()`` to run right after ``megatron.core.jit`` executes, before any module
 decorates with it: the functions stay plain Python and run eagerly (``gelu_tanh`` is then exactly
 eager torch's tanh-approximated GELU). On a GPU nothing changes.
+
+From megatron-core 0.17 one module bypasses ``jit_fuser``: ``megatron/core/transformer/moe/router.py``
+decorates a method with a bare ``@torch.compile`` when its class is defined, and
+``megatron.core.models.gpt`` imports it, so every rank imported torch's compiler stack again
+(``torch._inductor.compile_fx``; measured 5.6 s vs 4.4 s for ``import tierstack,
+megatron.core.models.gpt`` on this machine, megatron-core 0.19.2). The method is MoE routing, never
+called by tierstack's dense models; compiled or not it computes the same. On a CPU, while that one
+module executes, ``torch.compile`` used as a bare decorator returns the function as it is.
 """
 
 from __future__ import annotations
@@ -25,27 +33,62 @@ import importlib.util
 import sys
 
 JIT_MODULE = "megatron.core.jit"
+ROUTER_MODULE = "megatron.core.transformer.moe.router"
+
+
+def _disable_jit_fuser(module) -> None:
+    disable = getattr(module, "disable_jit_fuser", None)
+    if callable(disable):  # absent in some megatron-core version: keep its default
+        disable()
+
+
+def _exec_without_bare_compile(exec_module, module) -> None:
+    """Run ``exec_module(module)`` with ``torch.compile(fn)`` (no options) returning ``fn`` itself."""
+    import torch
+
+    real = torch.compile
+
+    def plain_compile(model=None, **kwargs):
+        if callable(model) and not kwargs:
+            return model  # the decorator form: leave the function eager (CPU only)
+        return real(model, **kwargs) if model is not None else real(**kwargs)
+
+    torch.compile = plain_compile
+    try:
+        exec_module(module)
+    finally:
+        torch.compile = real
 
 
 class _DisableAfterExec(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` with its normal finder and calls its ``disable_jit_fuser()`` after it runs."""
+    """Finds megatron-core's JIT module and its MoE router with their normal finders, and runs them
+    without loading torch's compiler: ``disable_jit_fuser()`` right after ``megatron.core.jit``
+    executes; ``torch.compile`` as a bare decorator is the identity while the router executes."""
+
+    def __init__(self) -> None:
+        self.pending = {JIT_MODULE, ROUTER_MODULE}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != JIT_MODULE:
+        if fullname not in self.pending:
             return None
-        sys.meta_path.remove(self)  # one module, once; the normal finders locate it
-        spec = importlib.util.find_spec(fullname)
+        self.pending.discard(fullname)
+        sys.meta_path.remove(self)  # each module once; the normal finders locate it
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self.pending:
+                sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
-
-        def exec_then_disable(module):
-            exec_module(module)
-            disable = getattr(module, "disable_jit_fuser", None)
-            if callable(disable):  # absent in some megatron-core version: keep its default
-                disable()
-
-        spec.loader.exec_module = exec_then_disable
+        if fullname == JIT_MODULE:
+            def patched(module):
+                exec_module(module)
+                _disable_jit_fuser(module)
+        else:
+            def patched(module):
+                _exec_without_bare_compile(exec_module, module)
+        spec.loader.exec_module = patched
         return spec
 
 
