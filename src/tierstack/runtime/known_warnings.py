@@ -5,7 +5,12 @@ times, at the import of each module with a fused kernel) and that ``CUDA_DEVICE_
 is unset (a CUDA stream setting); torch warns at import that the ``pynvml`` package (an
 nvidia-resiliency-ext dependency) is deprecated, and at every LOCAL replica exchange that
 nvidia-resiliency-ext calls a deprecated helper, and at a resharding GLOBAL load that megatron-core
-uses torch APIs torch deprecates. None of them changes what a run computes.
+uses torch APIs torch deprecates. megatron-core 0.19 adds notices at import (``absl`` not installed,
+``MimoModelConfig`` experimental, ``GPTModel`` deprecated in favour of its ``HybridModel``, which
+tierstack's users cannot act on) and one at the first async save about its own async path, which the
+GLOBAL tier chooses on purpose (``checkpointing.global_writer`` says why); torch's CUDA wheel says at
+import on a CPU machine that no CUDA runtime is found. None of them changes what a run computes.
+Log records are filtered like warnings: by logger name and message, one by one (:data:`_LOG_RECORDS`).
 :func:`install_import_filters` and :func:`install_cpu_filters` ignore exactly those warnings, each
 matched by its message and the module that issues it; every other warning stays visible.
 :func:`absent_gpu_packages` gives the one line a run prints instead.
@@ -16,6 +21,8 @@ This module imports nothing heavy, so the import-time filters can be installed b
 from __future__ import annotations
 
 import importlib.util
+import logging
+import re
 import warnings
 
 # (message regex, category, module regex): warnings.filterwarnings matches the message from its
@@ -38,7 +45,31 @@ _IMPORT_TIME = (
      FutureWarning, r"megatron\.core\.dist_checkpointing\.strategies\.torch\Z"),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
      r"(megatron\.core\.dist_checkpointing\..*|tierstack\.runtime\.cpu_compat)\Z"),
+    # megatron-core 0.19 at import: absl-py is optional for its logging; MimoModelConfig (multimodal) is new.
+    (r"absl\.logging is not installed", UserWarning, r"megatron\.core\.hyper_comm_grid\Z"),
+    (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo\..*\Z"),
 )
+# (logger name, message regex): records that loggers (not warnings.warn) emit, matched from the start.
+_LOG_RECORDS = (
+    # megatron-core 0.19, once per process: the dense GPTModel is kept for bug fixes only.
+    ("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED"),
+    # megatron-core 0.19, at the first async save: async_strategy="mcore" is chosen (global_writer).
+    ("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated"),
+    # torch's CUDA wheel on a machine without CUDA, at the import of torch.utils.cpp_extension.
+    ("torch.utils.cpp_extension", r"No CUDA runtime is found"),
+)
+
+
+class _DropKnown(logging.Filter):
+    """Drops the records of one logger whose message matches one of ``patterns``."""
+
+    def __init__(self, patterns: list) -> None:
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.match(message) for p in self.patterns)
 _CPU_ONLY = (
     # megatron/core/{optimizer/__init__,optimizer/optimizer,optimizer/clip_grads}.py and
     # distributed/fsdp/src/megatron_fsdp/mixed_precision.py: the fused CUDA kernels' fallbacks.
@@ -62,8 +93,16 @@ def _install(entries) -> None:
 
 
 def install_import_filters() -> None:
-    """Filters for warnings issued when torch is imported (install before ``import torch``)."""
+    """Filters for warnings and log records issued when torch and megatron-core are imported, or at
+    their first use (install before ``import torch``). Idempotent."""
     _install(_IMPORT_TIME)
+    by_logger: dict = {}
+    for name, pattern in _LOG_RECORDS:
+        by_logger.setdefault(name, []).append(pattern)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnown) for f in logger.filters):
+            logger.addFilter(_DropKnown(patterns))
 
 
 def install_cpu_filters() -> None:
