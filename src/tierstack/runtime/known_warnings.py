@@ -55,6 +55,9 @@ _LOG_RECORDS = (
     ("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED"),
     # megatron-core 0.19, at the first async save: async_strategy="mcore" is chosen (global_writer).
     ("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated"),
+    # megatron-core 0.19 reading a checkpoint of the legacy layout (common.pt; e.g. tierstack <= 0.x):
+    # it still reads them, and says once per load that this reader will go.
+    ("megatron.core.dist_checkpointing.strategies.common", r"load_common is deprecated"),
     # torch's CUDA wheel on a machine without CUDA, at the import of torch.utils.cpp_extension.
     ("torch.utils.cpp_extension", r"No CUDA runtime is found"),
 )
