@@ -133,7 +133,7 @@ step environment 120 "torch CUDA build, NCCL, transformer-engine, fused-kernel f
   "$py" -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA'; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count()); \
 import transformer_engine; print('transformer-engine', transformer_engine.__version__); \
-from tierstack.runtime import fusion_flags; print(fusion_flags())"
+from tierstack.runtime import fusion_flags; print(fusion_flags(activation_func='gelu', gated_linear_unit=False, add_bias_linear=True))"
 step main-kill 240 "TE spec, bf16, NCCL, async LOCAL+GLOBAL; SIGKILL after LOCAL step 15" kill_after_local_step
 step main-resume 240 "same command: resumes from LOCAL, finishes 30 iterations" resume_from_local
 step functional 300 "TIERSTACK_TEST_DEVICE=gpu (tests needing more GPUs than present are skipped)" \
