@@ -177,14 +177,21 @@ def rank() -> int:
     return dist.get_rank()
 
 
+def _on_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the device the default group's backend moves (NCCL: the rank's GPU; gloo: host)."""
+    from tierstack import runtime
+
+    return t.to(runtime.device()) if "nccl" in dist.get_backend() else t
+
+
 def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    t = _on_wire(torch.tensor([x], dtype=torch.float64))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 def sum_over_ranks(x: int) -> int:
-    t = torch.tensor([x], dtype=torch.int64)
+    t = _on_wire(torch.tensor([x], dtype=torch.int64))
     dist.all_reduce(t)
     return int(t.item())
 

@@ -293,9 +293,11 @@ def exchange_step(replicator: Replicator, store: ReplicaStore, step: int, *, hav
     return time.perf_counter() - t0
 
 
-def replicate_step(replicator: Replicator, store: ReplicaStore, step: int) -> bool:
+def replicate_step(replicator: Replicator, store: ReplicaStore, step: int, io_wait_s: Optional[float] = None) -> bool:
     """Collective over the job, in the LOCAL finalize (the GPU path): :func:`exchange_step`, then the
-    ranks agree on it.
+    ranks agree on it. Each rank reads its whole file and writes every received one meanwhile, so
+    these collectives wait ``io_wait_s`` (``checkpoint.async_write_timeout_s``) longer than a
+    collective's bound (:func:`tierstack.runtime.collectives.io_phase`).
 
     Returns:
         True when every replica of the step is stored on every rank (the step may be sealed; the
@@ -304,12 +306,14 @@ def replicate_step(replicator: Replicator, store: ReplicaStore, step: int) -> bo
     """
     ok = True
     seconds = 0.0
-    try:
-        seconds = exchange_step(replicator, store, step)
-    except ReplicationError as e:
-        log.error("%s", e)
-        ok = False
-    if not _dist.all_true(ok):
+    with _dist.io_phase(io_wait_s):
+        try:
+            seconds = exchange_step(replicator, store, step)
+        except ReplicationError as e:
+            log.error("%s", e)
+            ok = False
+        agreed = _dist.all_true(ok)
+    if not agreed:
         store.remove_replicas(step, replicator.clique)
         return False
     if _dist.rank() == 0:
@@ -476,7 +480,7 @@ class LocalReplication:
         replica of ``step`` is stored on every rank (on the writer path the agreement on the writers'
         outcome already covered it; on GPU this is :func:`replicate_step`)."""
         if not self.on_writer:
-            return replicate_step(self.replicator, self.store, step)
+            return replicate_step(self.replicator, self.store, step, self._writer_timeout_s)
         if _dist.rank() == 0 and self._exchange_s is not None:
             log.info("LOCAL checkpoint of step %d replicated by the writer (factor %d, cliques of ranks %s apart) "
                      "in %.2fs", step, self.replicator.factor, self.replicator.jump, self._exchange_s)

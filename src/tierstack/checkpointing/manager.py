@@ -148,7 +148,7 @@ class CheckpointManager:
             return self._fresh_start(objs, selection.Selection(), None)
         for handler in handlers:  # a fresh selection on every start: nothing cached from a previous attempt
             handler.prepare_resume(family)
-        chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step)
+        chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step, io_wait_s=self.cfg.async_write_timeout_s)
         if chosen.handler is None:
             return self._fresh_start(objs, chosen, family)
         where = f"{chosen.handler.tier.value.upper()} step {chosen.step} ({chosen.handler.run_root})"

@@ -25,8 +25,14 @@ fails the exchange on every rank within ``checkpoint.collective_timeout_s`` (``C
 
 On CPU the groups are gloo; NVRx's ``retrieve_execute`` moves every tensor with ``.cuda()`` before
 sending, which the CPU compatibility layer (:mod:`tierstack.runtime.cpu_compat`) maps to the host.
-On GPU the groups are NCCL and the bytes are staged on the device for the exchange (NCCL moves
-device memory only): one file's size of device memory while a step is replicated or retrieved.
+On GPU the groups are NCCL, which moves device memory only, and NVRx allocates each received tensor
+on the device type it was sent from. So :meth:`Replicator.replicate` sends a file in rounds of at
+most :data:`CHUNK_BYTES` (one NVRx exchange each, every member taking part in every round, with an
+empty chunk once its file is sent): a seal puts at most one chunk of its own and one received chunk
+on the device at a time, never the file (a whole file plus a received copy, about twice the training
+state, would not fit beside a real model). Each received chunk is copied to the host at once. The
+resume retrieval (:meth:`Replicator.retrieve`, NVRx point-to-point sends) still moves one whole file
+at a time through the device.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from tierstack.runtime import collectives as _dist
 log = logging.getLogger(__name__)
 
 REPLICAS_DIR = "replicas"
+CHUNK_BYTES = 256 << 20  # most bytes of a file on the device per replication round (NCCL)
 
 
 def _tasd_base():
@@ -59,8 +66,9 @@ class FileReplica(_tasd_base()):
         data: the file's bytes, a 1-D ``torch.uint8`` tensor (host, or the device on GPU); None when hollow.
     """
 
-    def __init__(self, owner: int, step: int, manifest: dict, data: Optional[torch.Tensor]):
+    def __init__(self, owner: int, step: int, manifest: dict, data: Optional[torch.Tensor], total: int = -1):
         self.owner, self.step, self.manifest = owner, step, manifest
+        self.total = int(data.numel()) if total < 0 and data is not None else total  # the whole file's bytes
         self.data = data
         self.nbytes = 0 if data is None else int(data.numel())
         self.device = "cpu" if data is None else data.device.type
@@ -102,6 +110,13 @@ class FileReplica(_tasd_base()):
     def host_bytes(self) -> torch.Tensor:
         """The file's bytes on the host (a copy only when they were staged on a device)."""
         return self.data if self.data.device.type == "cpu" else self.data.cpu()
+
+
+def _to_device(data: torch.Tensor) -> torch.Tensor:
+    """``data`` where the clique groups move it: the rank's GPU under NCCL, else as it is (host)."""
+    from tierstack import runtime
+
+    return data if not runtime.has_gpu() else data.to(runtime.device())
 
 
 def _collective(fn: Callable, what: str):
@@ -167,12 +182,20 @@ class Replicator:
 
     @staticmethod
     def _staged(data: torch.Tensor) -> torch.Tensor:
-        from tierstack import runtime
+        return _to_device(data)
 
-        return data if not runtime.has_gpu() else data.to(runtime.device())
+    def _round(self, step: int, manifest: dict, data: torch.Tensor, lo: int, total: int) -> list[FileReplica]:
+        """One NVRx exchange of bytes ``[lo, lo + CHUNK_BYTES)`` of every member's file."""
+        chunk = data[lo:lo + CHUNK_BYTES]
+        mine = FileReplica(self.rank, step, manifest, self._staged(chunk), total)
+        theirs, _ids = _collective(lambda: self.strategy.replicate(mine, mine.id), "LOCAL replication")
+        for r in theirs:
+            r.data = r.host_bytes()  # off the device before the next round
+        return [r for r in theirs if r.owner != self.rank]
 
     def replicate(self, step: int, manifest: dict, data: torch.Tensor) -> list[FileReplica]:
-        """Collective: send this rank's file of ``step`` to its clique and receive the others'.
+        """Collective: send this rank's file of ``step`` to its clique and receive the others', in
+        rounds of at most :data:`CHUNK_BYTES` (see the module docstring).
 
         Args:
             manifest: this rank's manifest of the step.
@@ -181,14 +204,20 @@ class Replicator:
         Returns:
             The other members' files (owner, step, manifest, bytes), bytes on the host.
         """
-        mine = FileReplica(self.rank, step, manifest, self._staged(data))
-        theirs, _ids = _collective(lambda: self.strategy.replicate(mine, mine.id), "LOCAL replication")
-        out = []
-        for r in theirs:
-            if r.owner != self.rank:
-                r.data = r.host_bytes()
-                out.append(r)
-        return out
+        total = int(data.numel())
+        first = self._round(step, manifest, data, 0, total)  # manifests and sizes travel with round 0
+        rounds = max([1] + [-(-max(r.total, 0) // CHUNK_BYTES) for r in first] + [-(-total // CHUNK_BYTES)])
+        files = {}
+        for r in first:
+            files[r.owner] = torch.empty(max(r.total, 0), dtype=torch.uint8)
+            files[r.owner][:r.data.numel()] = r.data
+        for i in range(1, rounds):
+            lo = i * CHUNK_BYTES
+            for r in self._round(step, {}, data, lo, total):
+                files[r.owner][lo:lo + r.data.numel()] = r.data
+        for r in first:
+            r.data = files[r.owner]
+        return first
 
     def retrieve(self, available: dict[int, list[str]], wanted: Sequence[str],
                  load: Callable[[str], FileReplica]) -> dict[str, tuple[FileReplica, int]]:

@@ -81,8 +81,12 @@ def _order(keys, tiers: Sequence[CheckpointTier]) -> list[tuple[CheckpointTier, 
 
 
 def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
-           ckpt_step: Optional[int] = None) -> Selection:
-    """Collective: the agreed (handler, step), or an empty :class:`Selection` when nothing is valid."""
+           ckpt_step: Optional[int] = None, io_wait_s: Optional[float] = None) -> Selection:
+    """Collective: the agreed (handler, step), or an empty :class:`Selection` when nothing is valid.
+
+    ``io_wait_s``: how much longer than a collective's bound the ranks wait for each other while
+    they read and checksum a candidate's files (``checkpoint.async_write_timeout_s``; see
+    :func:`tierstack.runtime.collectives.io_phase`)."""
     by_tier = {h.tier: h for h in handlers if h.enabled}
     views: dict[tuple[CheckpointTier, int], Candidate] = {}
     for h in by_tier.values():
@@ -110,8 +114,9 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
             _skip_absent(result, by_tier[tier], step, absent, [r for r in absent if step in dirty[r].get(tier, [])])
             continue
         cand = views[key]
-        local = cand.problem if cand.problem is not None else by_tier[tier].verify(cand)
-        problems = _dist.all_gather_object(local)
+        with _dist.io_phase(io_wait_s):  # a whole-file read and checksum per rank, then the agreement
+            local = cand.problem if cand.problem is not None else by_tier[tier].verify(cand)
+            problems = _dist.all_gather_object(local)
         if all(p is None for p in problems):
             result.handler, result.step, result.manifest = by_tier[tier], step, cand.manifest
             return result

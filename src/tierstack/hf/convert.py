@@ -163,6 +163,44 @@ def run_config_for_hf(fields: dict, tokenizer_json: Optional[Path], tp: int, pp:
     return dataclasses.replace(cfg, model=model, tokenizer=tok, distributed=dist)
 
 
+def _norm_renames() -> dict[str, str]:
+    """Local-spec name piece -> transformer-engine-spec piece of the layer norms that TE fuses into the
+    next linear layer: megatron-core's own map (the local spec's ``sharded_state_dict_keys_map``,
+    which is how a local model's GLOBAL checkpoint names them like a TE model's), e.g.
+    ``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return dict(get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map)
+
+
+def _rename_layer_keys(sd: dict, renames: dict[str, str]) -> dict:
+    out = {}
+    for key, value in sd.items():
+        head, sep, rest = key.partition(".layers.")
+        if sep:
+            num, dot, name = rest.partition(".")
+            for old, new in renames.items():
+                if name.startswith(old):
+                    key = f"{head}.layers.{num}{dot}{new}{name[len(old):]}"
+                    break
+        out[key] = value
+    return out
+
+
+def to_model_names(sd: dict, model_keys) -> dict:
+    """A full state dict in the local spec's names (what :mod:`architectures` maps) renamed to the
+    built model's: unchanged for a local-spec model; the layer norms under their names inside the
+    fused linear layers for a transformer-engine-spec model (``...linear_qkv.layer_norm_weight``)."""
+    keys = set(model_keys)
+    te = _rename_layer_keys(sd, _norm_renames())
+    return te if sum(k in keys for k in te) > sum(k in keys for k in sd) else sd
+
+
+def to_local_names(sd: dict) -> dict:
+    """A full state dict of either layer spec in the local spec's names (inverse of :func:`to_model_names`)."""
+    return _rename_layer_keys(sd, {new: old for old, new in _norm_renames().items()})
+
+
 def megatron_state_dict(hf: HFModel, m: ModelConfig, padded_vocab: int) -> dict:
     """HF weights -> full megatron-core state dict, embedding/output rows zero-padded to ``padded_vocab``."""
     sd = hf.architecture.to_megatron(hf.state_dict, m)
@@ -174,11 +212,13 @@ def megatron_state_dict(hf: HFModel, m: ModelConfig, padded_vocab: int) -> dict:
 
 
 def load_into(objs, sd: dict) -> None:
-    """Copy a full megatron-core state dict into a TP=PP=1 model (strict: every tensor must be there)."""
+    """Copy a full megatron-core state dict (local-spec names) into a TP=PP=1 model of either layer spec
+    (strict: every tensor must be there; transformer-engine's ``_extra_state`` entries are left as built)."""
     from tierstack.checkpointing.state import unwrap
 
     model = unwrap(objs.model[0])
     target = model.state_dict()
+    sd = to_model_names(sd, target)  # the transformer-engine spec keeps its layer norms elsewhere
     missing = [k for k in target if not k.endswith("_extra_state") and k not in sd]
     extra = [k for k in sd if k not in target]
     if missing or extra:
@@ -234,7 +274,8 @@ def import_hf(hf_path: str | Path, save_root: str | Path, *, tensor_model_parall
 
 
 def full_megatron_state_dict(load: str | Path) -> tuple[ConfigContainer, dict]:
-    """Run config and full (TP=PP=1) megatron-core state dict of a GLOBAL checkpoint, in this process."""
+    """Run config and full (TP=PP=1) megatron-core state dict of a GLOBAL checkpoint, in this process,
+    in the local spec's names whichever layer spec the model was built with."""
     from tierstack.checkpointing.state import unwrap
 
     step_dir = checkpoint_io.resolve_step_dir(load)
@@ -243,8 +284,8 @@ def full_megatron_state_dict(load: str | Path) -> tuple[ConfigContainer, dict]:
     with checkpoint_io.parallel_world(here):
         objs = checkpoint_io.load_model_weights(here, step_dir)
         sd = {k: v.detach().clone() for k, v in unwrap(objs.model[0]).state_dict().items()
-              if isinstance(v, torch.Tensor)}
-    return cfg, sd
+              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return cfg, to_local_names(sd)
 
 
 def export_hf(load: str | Path, hf_path: str | Path, *, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:

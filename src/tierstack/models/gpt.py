@@ -80,7 +80,8 @@ def build_transformer_config(cfg: ConfigContainer):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # Fused kernels where this machine has them (GPU, transformer-engine / apex); off on CPU.
-        **runtime.fusion_flags(),
+        **runtime.fusion_flags(activation_func=m.activation_func, gated_linear_unit=m.gated_linear_unit,
+                               add_bias_linear=m.add_bias_linear),
         use_cpu_initialization=False,
         sequence_parallel=False,
         deallocate_pipeline_outputs=runtime.has_gpu(),

@@ -203,3 +203,26 @@ def bounded(timeout_s: Optional[float], restore_s: Optional[float] = None) -> It
         _bounded_depth -= 1
         if _bounded_depth == 0 and is_distributed():
             _set_timeout(restore_s)
+
+
+@contextlib.contextmanager
+def io_phase(io_wait_s: Optional[float]) -> Iterator[None]:
+    """Inside a :func:`bounded` block: the collectives that wait for a peer's whole-file I/O (a LOCAL
+    file read and checksummed at resume, replicas written before the agreement) wait ``io_wait_s``
+    more than the block's bound, then get the block's bound back.
+
+    Collective timeouts bound a peer that is gone or hung; a peer still reading a large file is
+    neither. On gloo a timeout raises on every rank (:class:`CollectiveError`); on NCCL the watchdog
+    aborts the process instead, so such a wait must never be cut by ``checkpoint.collective_timeout_s``.
+    No-op outside a bounded block or with ``io_wait_s`` None (each rank sets its own groups: call it on
+    every rank before the I/O starts, so the peers already waiting have the longer bound).
+    """
+    if io_wait_s is None or not _bounded_depth or _bounded_timeout_s is None or not is_distributed():
+        yield
+        return
+    _set_timeout(_bounded_timeout_s + io_wait_s)
+    try:
+        yield
+    finally:
+        if is_distributed():
+            _set_timeout(_bounded_timeout_s)

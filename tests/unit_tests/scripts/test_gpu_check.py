@@ -41,3 +41,28 @@ def test_one_gpu_runs_one_rank_and_skips_the_tp2_benchmark(tmp_path):
     assert any(line.startswith("benchmark") and "SKIPPED" in line and "needs 2 GPUs" in line
                for line in proc.stdout.splitlines())
     assert any(line.startswith("install") and "SKIPPED" in line for line in proc.stdout.splitlines())
+
+
+def test_cpu_mode_shows_the_cpu_variant_of_every_step(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--device", "cpu"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "GPU_CHECK_DIR": str(tmp_path / "x")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "2 GPU(s) -> 2 ranks, TP=2, DP=1" in text and "--device cpu" in text
+    main = next(line for line in text.splitlines() if "runs:" in line and "recipes/gpt_tiny.py" in line)
+    for arg in ("model.transformer_impl=local", "model.bf16=false", "distributed.backend=gloo"):
+        assert arg in main
+    assert "nccl" not in main and "transformer_engine" not in main
+    for step in ("environment", "gpu-items", "main-kill", "main-resume", "functional", "benchmark"):
+        assert any(line.startswith(step) and "DRY-RUN" in line for line in text.splitlines()), step
+    assert any(line.startswith("install") and "SKIPPED" in line for line in text.splitlines())
+    assert "TIERSTACK_TEST_DEVICE=cpu" in text and "test_replication_chunks.py" in text
+
+
+def test_an_unknown_device_is_refused_naming_it():
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "tpu"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "--device tpu: use gpu or cpu" in proc.stderr
