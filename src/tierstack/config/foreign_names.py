@@ -38,6 +38,7 @@ NAME_MAP: tuple[ForeignName, ...] = (
     ForeignName("distributed.pipeline_model_parallel_size", "model.pipeline_model_parallel_size",
                 "--pipeline-model-parallel-size"),
     ForeignName("model.seq_length", "dataset.seq_length", "--seq-length"),
+    ForeignName("model.seq_length", "dataset.sequence_length", None, "megatron-core GPTDatasetConfig's name"),
     ForeignName("model.vocab_size", "tokenizer.vocab_size", "--vocab-size"),
     ForeignName("model.layernorm_epsilon", None, "--norm-epsilon"),
     ForeignName("model.share_embeddings_and_output_weights", None, "--untie-embeddings-and-output-weights",
