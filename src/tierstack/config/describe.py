@@ -83,6 +83,18 @@ def _yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
 
 
+def value_text(value: Any) -> str:
+    """``value`` as the right-hand side of an override (``null``, ``true``, ``1.0e-05``, ``RMSNorm``)."""
+    return _yaml_scalar(value)
+
+
+def override_text(key: str, value: Any) -> str:
+    """``key=value``, ready to paste on a shell command line (quoted when it has to be)."""
+    import shlex
+
+    return shlex.quote(f"{key}={_yaml_scalar(value)}")
+
+
 def to_yaml(config: "ConfigContainer") -> str:
     """The whole config as YAML (every field, sections in their usual order; off sections ``null``).
 

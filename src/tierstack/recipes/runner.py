@@ -79,10 +79,9 @@ def run(
         return CONFIG_ERROR_STATUS
     world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config = config_fn()
-        if known.config_file:
-            config.apply_mapping(load_yaml(known.config_file), origin=f"--config-file {known.config_file}")
-        config.apply_overrides(overrides)
+        config, taken = resolve_config(config_fn, overrides, known.config_file)
+        if taken and (nproc is None or known.dry_run or known.help or known.print_config):  # once: here, or in the ranks
+            _note_taken(config.checkpoint.pretrained_checkpoint, taken)
         if known.help or known.print_config:
             return _show(config, config_fn, known)
         # several ranks under torchrun: the directories are checked by every rank in setup, together
@@ -117,6 +116,36 @@ def run(
             _exit_with_the_other_ranks(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
     return 0
+
+
+def resolve_config(config_fn: Callable[[], ConfigContainer], overrides: Sequence[str],
+                   config_file: Optional[str] = None) -> tuple[ConfigContainer, list[str]]:
+    """The run's config: the recipe, then ``config_file``'s fields, then the overrides, then the
+    architecture and tokenizer of ``checkpoint.pretrained_checkpoint`` for the fields not given.
+
+    Returns:
+        ``(config, taken)``: ``taken`` lists each field taken from the pretrained checkpoint that
+        differs from the recipe (``section.field=value``, paste-ready).
+
+    Raises:
+        ConfigError: a bad file, override, or a given field that contradicts the pretrained checkpoint.
+    """
+    from tierstack.training.pretrained_fields import adopt_pretrained, given_keys
+
+    config = config_fn()
+    data = load_yaml(config_file) if config_file else None
+    if data:
+        config.apply_mapping(data, origin=f"--config-file {config_file}")
+    config.apply_overrides(overrides)
+    return config, adopt_pretrained(config, given_keys(overrides, data))
+
+
+def _note_taken(spec: Optional[str], taken: list[str]) -> None:
+    """Say once (rank 0, stderr: stdout may be a printed config) which fields came from the checkpoint."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"checkpoint.pretrained_checkpoint={spec}: architecture and tokenizer taken from it, where they "
+              f"differ from the recipe (to keep them in a recipe or config file): {' '.join(taken)}",
+              file=sys.stderr, flush=True)
 
 
 def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
