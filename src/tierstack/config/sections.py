@@ -29,6 +29,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 BEST_METRICS = {"val_loss": True}
 ON_NONFINITE = ("stop", "skip")  # checkpoint.on_nonfinite
 TOKENIZER_TYPES = ("byte", "huggingface")
+LOG_FORMATS = ("tierstack", "megatron")  # logger.format
 
 
 @dataclass(kw_only=True)
@@ -319,9 +320,15 @@ class LoggerConfig(_Section):
     log_interval: int = 10  # iterations between rank-0 log lines
     progress_bar: bool = True  # tqdm bar on rank 0
     loss_curve: bool = True  # write <run_dir>/loss_curve.png at the end of the run (rank 0, matplotlib)
+    # the log line and the experiment tracker's metric names: "tierstack", or "megatron" (Megatron-LM's
+    # training log line and metric names: lm loss, learning-rate, grad-norm, ...)
+    format: str = "tierstack"
 
     def problems(self) -> list[str]:
-        return _at_least("logger", self, ("log_interval",))
+        p = _at_least("logger", self, ("log_interval",))
+        if self.format not in LOG_FORMATS:
+            p.append(f"logger.format={self.format!r}: use one of {list(LOG_FORMATS)}")
+        return p
 
 
 @dataclass(kw_only=True)
