@@ -277,6 +277,15 @@ class ConfigContainer:
                      f"by replication_jump * replication_factor = {jump * f}")
         return p
 
+    def notes(self) -> list[str]:
+        """Settings that are valid but probably not meant (printed before a run starts, not refused)."""
+        s, t = self.scheduler, self.train
+        out = []
+        if s.lr_warmup_iters >= t.train_iters:
+            out.append(f"scheduler.lr_warmup_iters={s.lr_warmup_iters} covers the whole run (train.train_iters="
+                       f"{t.train_iters}): the LR never reaches optimizer.lr={self.optimizer.lr} and never decays")
+        return out
+
     # ------------------------------------------------------------------ helpers
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of the config (for run params and the run config file)."""

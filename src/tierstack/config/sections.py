@@ -66,7 +66,10 @@ class OptimizerConfig(_Section):
     use_distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks
 
     def problems(self) -> list[str]:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        if self.lr > 0 and self.min_lr > self.lr:  # an lr override leaves the recipe's min_lr behind
+            return [f"optimizer.min_lr={self.min_lr:g} is above optimizer.lr={self.lr:g} (the decay would raise the LR): "
+                    f"set optimizer.min_lr too, e.g. optimizer.min_lr={self.lr / 10:g}"]
+        if self.lr <= 0 or self.min_lr < 0:
             return [f"optimizer.lr={self.lr} / optimizer.min_lr={self.min_lr}: need 0 <= min_lr <= lr, lr > 0"]
         return []
 

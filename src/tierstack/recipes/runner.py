@@ -80,8 +80,8 @@ def run(
     world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config, taken = resolve_config(config_fn, overrides, known.config_file)
-        if taken and (nproc is None or known.dry_run or known.help or known.print_config):  # once: here, or in the ranks
-            _note_taken(config.checkpoint.pretrained_checkpoint, taken)
+        if nproc is None or known.dry_run or known.help or known.print_config:  # once: here, or in the ranks
+            _note(config, taken)
         if known.help or known.print_config:
             return _show(config, config_fn, known)
         # several ranks under torchrun: the directories are checked by every rank in setup, together
@@ -140,12 +140,18 @@ def resolve_config(config_fn: Callable[[], ConfigContainer], overrides: Sequence
     return config, adopt_pretrained(config, given_keys(overrides, data))
 
 
-def _note_taken(spec: Optional[str], taken: list[str]) -> None:
-    """Say once (rank 0, stderr: stdout may be a printed config) which fields came from the checkpoint."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"checkpoint.pretrained_checkpoint={spec}: architecture and tokenizer taken from it, where they "
-              f"differ from the recipe (to keep them in a recipe or config file): {' '.join(taken)}",
-              file=sys.stderr, flush=True)
+def _note(config: ConfigContainer, taken: list[str]) -> None:
+    """Say once (rank 0, stderr: stdout may be a printed config) which fields came from the pretrained
+    checkpoint, and the settings that look unintended (``ConfigContainer.notes``)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    lines = [f"note: {n}" for n in config.notes()]
+    if taken:
+        lines.insert(0, f"checkpoint.pretrained_checkpoint={config.checkpoint.pretrained_checkpoint}: architecture "
+                     "and tokenizer taken from it, where they differ from the recipe (to keep them in a recipe "
+                     f"or config file): {' '.join(taken)}")
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
