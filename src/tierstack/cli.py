@@ -1,6 +1,7 @@
 """The ``tierstack`` command: ``pretrain``, ``preprocess``, ``checkpoints ls|verify``, ``convert``, ``generate``.
 
-``tierstack pretrain [RECIPE] [--nproc-per-node N [--max-restarts R]] [section.field=value ...]`` runs a recipe by name
+``tierstack pretrain [RECIPE] [--nproc-per-node N [--max-restarts R]] [--config-file F] [--print-config |
+--dry-run | --help] [section.field=value ...]`` runs a recipe by name
 (``gpt_tiny`` by default, the same function as ``recipes/gpt_tiny.py``) or from a recipe file. With
 ``--nproc-per-node`` it validates the config, then launches the ranks; under torchrun
 (``torchrun --nproc-per-node 2 -m tierstack.cli pretrain gpt_tiny ...``) each rank runs it.
@@ -31,15 +32,32 @@ def _file_recipe(path_text: str) -> Optional[Callable]:
     return fns.pop()
 
 
-def _cmd_pretrain(args: argparse.Namespace) -> int:
+def _recipe_list() -> str:
+    """``pretrain --help``: how to run, then every recipe by name with its first docstring line."""
+    from tierstack.recipes import DEFAULT_RECIPE, RECIPES
+    from tierstack.recipes.runner import RUN_FLAGS, recipe_summary
+
+    rows = [f"  {name:<14}{recipe_summary(fn)}" + ("  (default)" if name == DEFAULT_RECIPE else "")
+            for name, fn in RECIPES.items()]
+    return ("usage: tierstack pretrain [RECIPE | FILE.py] [flags] [section.field=value ...]\n\n"
+            "recipes:\n" + "\n".join(rows) + "\n  FILE.py       a recipe file defining one *_config() function\n\n"
+            + RUN_FLAGS + "\n\n`tierstack pretrain RECIPE --help` lists the recipe's sections and fields, "
+            "with their values and what each means.")
+
+
+def _cmd_pretrain(items: list[str]) -> int:
+    """``tierstack pretrain [RECIPE] [flags] [overrides]`` (``items``: everything after ``pretrain``)."""
     from tierstack.recipes import DEFAULT_RECIPE, RECIPES, run
 
-    # --nproc-per-node may come before the recipe (parsed by argparse) or after it (in items).
-    launcher = argparse.ArgumentParser(prog="tierstack pretrain", add_help=False)
-    launcher.add_argument("--nproc-per-node", type=int, default=args.nproc_per_node)
-    launcher.add_argument("--max-restarts", type=int, default=args.max_restarts)
-    known, items = launcher.parse_known_args(args.items)
-    name = items.pop(0) if items and "=" not in items[0] and not items[0].startswith("-") else DEFAULT_RECIPE
+    if items[:1] in (["-h"], ["--help"]):  # before any recipe: the list of recipes
+        print(_recipe_list())
+        return 0
+    # flags may come before the recipe or after it: the recipe is the first item that is neither a
+    # flag, a flag's value nor an override
+    takes_value = {"--nproc-per-node", "--max-restarts", "--config-file"}
+    index = next((i for i, item in enumerate(items) if "=" not in item and not item.startswith("-")
+                  and (i == 0 or items[i - 1] not in takes_value)), None)
+    name = items.pop(index) if index is not None else DEFAULT_RECIPE
     if name.endswith(".py"):
         config_fn = _file_recipe(name)
         if config_fn is None:
@@ -49,10 +67,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     else:
         print(f"tierstack pretrain: unknown recipe {name!r}; known: {', '.join(RECIPES)} (or a .py file)", file=sys.stderr)
         return 2
-    launch_args = [] if known.nproc_per_node is None else ["--nproc-per-node", str(known.nproc_per_node)]
-    if known.max_restarts is not None:
-        launch_args += ["--max-restarts", str(known.max_restarts)]
-    return run(config_fn, [*launch_args, *items], rank_command=["-m", "tierstack.cli", "pretrain", name])
+    return run(config_fn, items, rank_command=["-m", "tierstack.cli", "pretrain", name])
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
@@ -131,17 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tierstack", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    pt = sub.add_parser(
-        "pretrain", help="pretrain with a recipe (gpt_tiny unless named)",
-        description="tierstack pretrain [RECIPE] [--nproc-per-node N] [section.field=value ...]: RECIPE is a "
-        "name (gpt_tiny, gpt_small) or a .py file; --nproc-per-node validates the config, then launches "
-        "N ranks on this machine (leave it out under torchrun).",
-    )
-    pt.add_argument("--nproc-per-node", type=int, default=None, help="validate, then launch N ranks here")
-    pt.add_argument("--max-restarts", type=int, default=None,
-                    help="with --nproc-per-node: restart the ranks up to R times after a failure (torchrun's)")
-    pt.add_argument("items", nargs=argparse.REMAINDER, metavar="[RECIPE] [--nproc-per-node N] [--max-restarts R] section.field=value")
-    pt.set_defaults(func=_cmd_pretrain)
+    # `tierstack pretrain ...` is parsed by _cmd_pretrain and recipes.run (main() hands it over):
+    # this entry is what `tierstack --help` lists
+    sub.add_parser("pretrain", add_help=False, help="pretrain with a recipe (gpt_tiny unless named); "
+                   "`tierstack pretrain --help` lists the recipes and flags")
 
     pp = sub.add_parser("preprocess", help="text / JSONL files -> Megatron indexed dataset (.bin/.idx)")
     pp.add_argument("--input", nargs="+", required=True, help="text files (one document each) or .jsonl")
@@ -186,10 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``tierstack`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    if args.command != "pretrain":  # pretrain configures logging per rank (training.reporting)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pretrain"]:  # pretrain configures logging per rank (training.reporting)
+        status = _cmd_pretrain(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    status = args.func(args)
+        status = args.func(args)
     from tierstack.runtime import process_exiting
 
     process_exiting()

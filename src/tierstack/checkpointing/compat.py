@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from tierstack.checkpointing.global_reader import CheckpointLoadError
+from tierstack.config.describe import override_text
 from tierstack.config.sections import ModelConfig, TokenizerConfig
 from tierstack.runtime import collectives as _dist
 from tierstack.data.tokenizers import describe_tokenizer, identity_of_config, same_tokenizer
@@ -53,6 +54,7 @@ class Comparison:
     refused: list[tuple[str, Any, Any]] = field(default_factory=list)
     changed: list[tuple[str, Any, Any]] = field(default_factory=list)
     recorded: bool = True
+    saved_tokenizer_fields: dict[str, Any] = field(default_factory=dict)  # the checkpoint's tokenizer.* values
 
 
 def _plain(value: Any) -> Any:
@@ -101,6 +103,7 @@ def compare(manifest: dict, run_config: Mapping[str, Any]) -> Comparison:
     if not same_tokenizer(saved_tok, now_tok):
         out.refused.append(("tokenizer", describe_tokenizer(saved_tok), describe_tokenizer(now_tok)))
     now = _flat(run_config)
+    out.saved_tokenizer_fields = {k: v for k, v in saved.items() if k.startswith("tokenizer.")}
     defaults = {f"model.{f.name}": _plain(f.default) for f in dataclasses.fields(ModelConfig)
                 if f.default is not dataclasses.MISSING}
     for key in sorted(set(saved) | set(now)):
@@ -114,15 +117,17 @@ def compare(manifest: dict, run_config: Mapping[str, Any]) -> Comparison:
     return out
 
 
-def _refusal_text(where: str, refused: list, *, pretrained: bool) -> str:
+def _refusal_text(where: str, result: Comparison, *, pretrained: bool) -> str:
+    """The refusal: each difference, then the overrides that put the checkpoint's values back (paste-ready)."""
+    refused = result.refused
     lines = [f"  - {k}: {old!r} in the checkpoint, {new!r} now" if k != "tokenizer"
              else f"  - tokenizer: {old} in the checkpoint, {new} now" for k, old, new in refused]
-    put_back = ", ".join(f"{k}={old!r}" for k, old, _ in refused if k != "tokenizer")
-    tok = [old for k, old, _ in refused if k == "tokenizer"]
-    fixes = " and ".join(x for x in (put_back, f"the tokenizer.* fields of {tok[0]}" if tok else "") if x)
+    put_back = [override_text(k, old) for k, old, _ in refused if k != "tokenizer"]
+    if any(k == "tokenizer" for k, _, _ in refused):
+        put_back += [override_text(k, v) for k, v in sorted(result.saved_tokenizer_fields.items())]
     head = ("the pretrained checkpoint" if pretrained else "the checkpoint to resume") + f" {where}"
     action = (
-        f"To {'start from these weights' if pretrained else 'resume it'}, put back {fixes}. "
+        f"To {'start from these weights' if pretrained else 'resume it'}, put back (paste-ready): {' '.join(put_back)}\n"
         "A model cannot continue with another vocabulary or other tensor shapes: to train one, start a new "
         "run from scratch in new checkpoint directories (checkpoint.save, checkpoint.local_dir); "
         "checkpoint.pretrained_checkpoint refuses these differences too (only vocabulary padding may differ)."
@@ -143,7 +148,7 @@ def check(manifest: Optional[dict], run_config: Mapping[str, Any], where: str, *
         CheckpointMismatchError: on every rank, when any rank found a refused difference.
     """
     result = compare(manifest or {}, run_config)
-    texts = _dist.all_gather_object(_refusal_text(where, result.refused, pretrained=pretrained)
+    texts = _dist.all_gather_object(_refusal_text(where, result, pretrained=pretrained)
                                     if result.refused else None)
     refusal = next((t for t in texts if t), None)
     if refusal:

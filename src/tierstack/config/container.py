@@ -6,11 +6,12 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tierstack.config.foreign_names import hint
 from tierstack.config.sections import (
     SECTION_TYPES,
     CheckpointConfig,
@@ -73,47 +74,92 @@ class ConfigContainer:
                 continue
             key, raw = item.split("=", 1)
             parts = key.strip().split(".")
-            section = parts[0]
-            if section not in SECTION_TYPES:
-                problems.append(
-                    f"override {item!r}: unknown section {section!r}; known: {', '.join(SECTION_TYPES)}"
-                )
+            label = f"override {item!r}"
+            if not self._known_section(parts[0], key.strip(), label, problems):
                 continue
             if len(parts) == 1:
-                if section in _OPTIONAL_SECTIONS and raw.strip().lower() in ("null", "none", "off"):
-                    setattr(self, section, None)
-                elif section in _OPTIONAL_SECTIONS and raw.strip().lower() in ("on", "true", "{}"):
-                    setattr(self, section, SECTION_TYPES[section]())
-                else:
-                    problems.append(f"override {item!r}: give a field, e.g. {section}.<field>=value")
+                self._switch_section(parts[0], raw.strip().lower(), label, problems)
                 continue
             if len(parts) != 2:
-                problems.append(f"override {item!r}: expected exactly section.field")
+                problems.append(f"{label}: expected exactly section.field")
                 continue
-            name = parts[1]
-            current = getattr(self, section)
-            if current is None:
-                current = SECTION_TYPES[section]()
-            names = {f.name for f in dataclasses.fields(current)}
-            if name not in names:
-                problems.append(
-                    f"override {item!r}: unknown field {section}.{name}; known: {', '.join(sorted(names))}"
-                )
-                continue
-            try:
-                structured = OmegaConf.structured(current)
-                merged = OmegaConf.merge(structured, OmegaConf.from_dotlist([f"{name}={raw}"]))
-                new = OmegaConf.to_object(merged)
-            except OmegaConfBaseException as exc:
-                msg = str(exc).splitlines()[0]
-                problems.append(f"override {item!r}: bad value for {section}.{name}: {msg}")
-                continue
-            setattr(self, section, new)
+            self._set_field(parts[0], parts[1], lambda n, r=raw: OmegaConf.from_dotlist([f"{n}={r}"]), label, problems)
         if problems:
             raise ConfigError(problems)
         if "logger.run_dir" in given and old_run_dir is not None:
             self._move_checkpoint_dirs(old_run_dir, given)
         return self
+
+    def apply_mapping(self, data: Mapping[str, Any], origin: str = "config file") -> "ConfigContainer":
+        """Set the fields of ``{section: {field: value} | None}`` in place (a ``--config-file``).
+
+        A section given as None turns an optional section off; a section given as a mapping sets
+        those of its fields (an off optional section is turned on with defaults first). The values
+        are typed YAML values, checked against each field's type as overrides are.
+
+        Raises:
+            ConfigError: an unknown section or field (with the tierstack name for a Megatron-Bridge or
+                Megatron-LM one), a value of the wrong type, or a required section given as null;
+                every problem at once, each prefixed with ``origin``.
+        """
+        problems: list[str] = []
+        for section, values in data.items():
+            if section not in SECTION_TYPES and isinstance(values, Mapping) and values:
+                for name in values:  # each field of an unknown section may be a known foreign name
+                    self._known_section(section, f"{section}.{name}", f"{origin}: {section}.{name}", problems)
+                continue
+            if not self._known_section(section, section, f"{origin}: section {section!r}", problems):
+                continue
+            if values is None:
+                self._switch_section(section, "null", f"{origin}: {section}", problems)
+                continue
+            for name, value in values.items():
+                self._set_field(section, name, lambda n, v=value: {n: v}, f"{origin}: {section}.{name}", problems)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    @staticmethod
+    def _known_section(section: str, key: str, label: str, problems: list[str]) -> bool:
+        """True for a known section; else a problem (with a foreign-name hint when one fits)."""
+        if section in SECTION_TYPES:
+            return True
+        tip = hint(key)  # a known name of Megatron-Bridge or Megatron-LM: the hint says more than the list
+        problems.append(f"{label}: unknown section {section!r}; "
+                        + (tip or f"known: {', '.join(SECTION_TYPES)}"))
+        return False
+
+    def _switch_section(self, section: str, word: str, label: str, problems: list[str]) -> None:
+        """``straggler=null`` / ``straggler=on``: an optional section off or on (with defaults)."""
+        if section in _OPTIONAL_SECTIONS and word in ("null", "none", "off"):
+            setattr(self, section, None)
+        elif section in _OPTIONAL_SECTIONS and word in ("on", "true", "{}"):
+            setattr(self, section, SECTION_TYPES[section]())
+        elif word in ("null", "none", "off"):
+            problems.append(f"{label}: section {section} cannot be off (only {', '.join(_OPTIONAL_SECTIONS)} can)")
+        else:
+            problems.append(f"{label}: give a field, e.g. {section}.<field>=value")
+
+    def _set_field(self, section: str, name: str, patch: Callable[[str], Any], label: str,
+                   problems: list[str]) -> None:
+        """Merge ``patch(name)`` (an omegaconf dotlist or a plain ``{name: value}``) into one field,
+        type-checked by omegaconf against the section's dataclass; a problem names the field."""
+        current = getattr(self, section)
+        if current is None:
+            current = SECTION_TYPES[section]()
+        names = {f.name for f in dataclasses.fields(current)}
+        if name not in names:
+            tip = hint(f"{section}.{name}")
+            problems.append(f"{label}: unknown field {section}.{name}; " + (tip or f"known: {', '.join(sorted(names))}"))
+            return
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(current), patch(name))
+            new = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as exc:
+            msg = str(exc).splitlines()[0]
+            problems.append(f"{label}: bad value for {section}.{name}: {msg}")
+            return
+        setattr(self, section, new)
 
     def _move_checkpoint_dirs(self, old_run_dir: str, given: set[str]) -> None:
         """Rebase ``checkpoint.save``/``local_dir`` that lay inside ``old_run_dir`` onto the new
@@ -230,6 +276,15 @@ class ConfigContainer:
             p.append(f"checkpoint.replication_jump={jump} does not fit: world size {world_size} must be divisible "
                      f"by replication_jump * replication_factor = {jump * f}")
         return p
+
+    def notes(self) -> list[str]:
+        """Settings that are valid but probably not meant (printed before a run starts, not refused)."""
+        s, t = self.scheduler, self.train
+        out = []
+        if s.lr_warmup_iters >= t.train_iters:
+            out.append(f"scheduler.lr_warmup_iters={s.lr_warmup_iters} covers the whole run (train.train_iters="
+                       f"{t.train_iters}): the LR never reaches optimizer.lr={self.optimizer.lr} and never decays")
+        return out
 
     # ------------------------------------------------------------------ helpers
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from tierstack.config.data_path import parse_data_path  # noqa: F401 - re-exported (its home was here)
 from tierstack.config.base import ConfigError, _at_least, _Section, writable_dir_problem  # noqa: F401 - ConfigError re-exported
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
     ACTIVATION_FUNCS,
@@ -28,6 +29,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 BEST_METRICS = {"val_loss": True}
 ON_NONFINITE = ("stop", "skip")  # checkpoint.on_nonfinite
 TOKENIZER_TYPES = ("byte", "huggingface")
+LOG_FORMATS = ("tierstack", "megatron")  # logger.format
 
 
 @dataclass(kw_only=True)
@@ -64,7 +66,10 @@ class OptimizerConfig(_Section):
     use_distributed_optimizer: bool = False  # shard optimizer state across data-parallel ranks
 
     def problems(self) -> list[str]:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        if self.lr > 0 and self.min_lr > self.lr:  # an lr override leaves the recipe's min_lr behind
+            return [f"optimizer.min_lr={self.min_lr:g} is above optimizer.lr={self.lr:g} (the decay would raise the LR): "
+                    f"set optimizer.min_lr too, e.g. optimizer.min_lr={self.lr / 10:g}"]
+        if self.lr <= 0 or self.min_lr < 0:
             return [f"optimizer.lr={self.lr} / optimizer.min_lr={self.min_lr}: need 0 <= min_lr <= lr, lr > 0"]
         return []
 
@@ -96,7 +101,9 @@ class SchedulerConfig(_Section):
 class DatasetConfig(_Section):
     """Training data. ``data_path`` None means the built-in corpus (Python standard library sources)."""
 
-    data_path: Optional[list] = None  # Megatron indexed-dataset prefixes (without .bin/.idx), or [w1, p1, w2, p2] to blend
+    # Megatron indexed-dataset prefix(es), without .bin/.idx: one path, a list, or a blend with weights
+    # first as in Megatron's --data-path: "0.3 /data/a 0.7 /data/b" or [0.3, /data/a, 0.7, /data/b]
+    data_path: Optional[Any] = None
     split: str = "98,2,0"  # train,valid,test weights over documents
     mock: bool = False  # synthetic tokens (fast tests); no files read
     cache_dir: str = ".cache/tierstack"  # where the built-in corpus and dataset indices are cached
@@ -116,58 +123,6 @@ class DatasetConfig(_Section):
             except (ValueError, FileNotFoundError) as exc:
                 p.append(str(exc))
         return p
-
-
-def _as_weight(item: Any) -> Optional[float]:
-    """``item`` as a float if it is a number or a numeric string, else None."""
-    if isinstance(item, bool):
-        return None
-    if isinstance(item, (int, float)):
-        return float(item)
-    try:
-        return float(str(item))
-    except ValueError:
-        return None
-
-
-def parse_data_path(data_path: Any) -> tuple[list[str], Optional[list[float]]]:
-    """Split ``dataset.data_path`` into prefixes and optional blend weights (the one parser).
-
-    Accepts one prefix (str), a list of prefixes, or ``[w1, p1, w2, p2, ...]`` (weights first, as in
-    Megatron's ``--data-path``). A list is a blend only when it has even length and every other item,
-    from the first, is a number; any other list holding a number is refused (``[1, a, b]``).
-
-    Returns:
-        ``(prefixes, weights)``; weights is None for an unweighted list.
-
-    Raises:
-        ValueError: empty list, non-positive weight, or numbers mixed with prefixes.
-        FileNotFoundError: a prefix without ``.bin`` and ``.idx`` files.
-    """
-    items = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
-    if not items:
-        raise ValueError("dataset.data_path is an empty list; set it to prefixes or leave it None")
-    weighted = len(items) % 2 == 0 and all(_as_weight(w) is not None for w in items[0::2])
-    if weighted:
-        weights: Optional[list[float]] = [float(_as_weight(w)) for w in items[0::2]]  # type: ignore[arg-type]
-        prefixes = [str(p) for p in items[1::2]]
-        if any(w <= 0 for w in weights):
-            raise ValueError(f"dataset.data_path weights must be > 0, got {weights}")
-    else:
-        if any(_as_weight(p) is not None for p in items):
-            raise ValueError(
-                f"dataset.data_path={items!r} mixes numbers and prefixes; use "
-                "[prefix, ...] or [weight1, prefix1, weight2, prefix2, ...]"
-            )
-        weights, prefixes = None, [str(p) for p in items]
-    for prefix in prefixes:
-        missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not Path(f"{prefix}{ext}").is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"dataset.data_path: {', '.join(f'{m} not found' for m in missing)} "
-                "(give prefixes without the extension; build them with `tierstack preprocess`)"
-            )
-    return prefixes, weights
 
 
 @dataclass(kw_only=True)
@@ -368,9 +323,15 @@ class LoggerConfig(_Section):
     log_interval: int = 10  # iterations between rank-0 log lines
     progress_bar: bool = True  # tqdm bar on rank 0
     loss_curve: bool = True  # write <run_dir>/loss_curve.png at the end of the run (rank 0, matplotlib)
+    # the log line and the experiment tracker's metric names: "tierstack", or "megatron" (Megatron-LM's
+    # training log line and metric names: lm loss, learning-rate, grad-norm, ...)
+    format: str = "tierstack"
 
     def problems(self) -> list[str]:
-        return _at_least("logger", self, ("log_interval",))
+        p = _at_least("logger", self, ("log_interval",))
+        if self.format not in LOG_FORMATS:
+            p.append(f"logger.format={self.format!r}: use one of {list(LOG_FORMATS)}")
+        return p
 
 
 @dataclass(kw_only=True)

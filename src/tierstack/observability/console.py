@@ -12,6 +12,7 @@ import sys
 from typing import Any, Mapping, Optional
 
 from tierstack.config.sections import LoggerConfig
+from tierstack.observability import megatron_log
 
 log = logging.getLogger("tierstack.progress")
 
@@ -95,6 +96,7 @@ class ProgressLogger:
         start_iter: iterations already done (a resumed run starts its bar there).
         rank: global rank of this process.
         stream: where the bar draws (default ``sys.stderr``); the bar is off when it is not a TTY.
+        global_batch_size: samples per iteration (the consumed samples of ``logger.format=megatron``).
     """
 
     def __init__(
@@ -104,8 +106,10 @@ class ProgressLogger:
         start_iter: int = 0,
         rank: int = 0,
         stream: Any = None,
+        global_batch_size: int = 0,
     ) -> None:
         self.cfg = logger_cfg
+        self.global_batch_size = global_batch_size  # for logger.format=megatron (consumed samples)
         self.total_iters = total_iters
         self.enabled = rank == 0
         self._bar = None
@@ -147,7 +151,12 @@ class ProgressLogger:
         if self._bar is not None:
             if metrics.get(LOSS) is not None:
                 self._bar.set_postfix(loss=f"{float(metrics[LOSS]):.3f}", refresh=False)
-        line = format_step_line(iteration, self.total_iters, metrics)
+        if self.cfg.format == megatron_log.MEGATRON:
+            line = megatron_log.format_megatron_line(iteration, self.total_iters, metrics, self.global_batch_size)
+            if metrics.get(VAL_LOSS) is not None:
+                log.info(megatron_log.format_megatron_validation(iteration, float(metrics[VAL_LOSS])))
+        else:
+            line = format_step_line(iteration, self.total_iters, metrics)
         log.info(line)
         return line
 

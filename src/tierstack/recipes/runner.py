@@ -23,6 +23,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from tierstack.config import ConfigContainer, ConfigError
+from tierstack.config.describe import describe, load_yaml, to_yaml
 from tierstack.errors import BadInputError, report_on_rank_0
 
 log = logging.getLogger("tierstack")
@@ -51,23 +52,23 @@ def run(
 
     Args:
         config_fn: the recipe (a function returning a config).
-        argv: ``[--nproc-per-node N [--max-restarts R]] section.field=value ...``; default
-            ``sys.argv[1:]``. ``--max-restarts`` (torchrun's) restarts every rank up to R times
-            after a rank fails; the job resumes from its newest checkpoint.
+        argv: ``[--nproc-per-node N [--max-restarts R]] [--config-file FILE] [--print-config |
+            --dry-run | --help] section.field=value ...``; default ``sys.argv[1:]`` (:data:`RUN_FLAGS`
+            says what each does). ``--max-restarts`` (torchrun's) restarts every rank up to R times
+            after a rank fails; the job resumes from its newest checkpoint. The config is the
+            recipe's, then FILE's fields, then the overrides.
         rank_command: what each rank runs when this process launches them (torchrun's program and
             its arguments, before the overrides); default ``[sys.argv[0]]``, the recipe file.
 
     Returns:
-        A process exit status: 0 on success; 2 on a config error (printed once, before any work
+        A process exit status: 0 on success (and after ``--help``, ``--print-config``, a valid
+        ``--dry-run``); 2 on a config error (printed once, before any work
         starts) or on another :class:`~tierstack.errors.BadInputError` of setup (damaged data files,
         a checkpoint that does not fit the run, checkpoints of no recorded run: rank 0 prints the
         message, every other rank one line); with ``--nproc-per-node``, the launch's status (see
         :func:`launch`). Other errors propagate with their traceback.
     """
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--nproc-per-node", type=int, default=None)
-    parser.add_argument("--max-restarts", type=int, default=None)
-    known, overrides = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    known, overrides = _parse_flags(sys.argv[1:] if argv is None else argv)
     nproc = known.nproc_per_node
     if nproc is not None and (nproc < 1 or under_torchrun()):
         _report(f"--nproc-per-node={nproc}: give a number >= 1, and only outside torchrun (torchrun sets the ranks)")
@@ -78,7 +79,11 @@ def run(
         return CONFIG_ERROR_STATUS
     world_size = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config = config_fn().apply_overrides(overrides)
+        config, taken = resolve_config(config_fn, overrides, known.config_file)
+        if nproc is None or known.dry_run or known.help or known.print_config:  # once: here, or in the ranks
+            _note(config, taken)
+        if known.help or known.print_config:
+            return _show(config, config_fn, known)
         # several ranks under torchrun: the directories are checked by every rank in setup, together
         # (a node-local directory can be fine on one node and not on another)
         config.validate(world_size, check_paths=nproc is not None or not under_torchrun() or world_size == 1)
@@ -87,8 +92,13 @@ def run(
         if nproc is None and under_torchrun() and world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
             _leave_after_rank_0(CONFIG_ERROR_STATUS)
         return CONFIG_ERROR_STATUS
+    if known.dry_run:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dry run: the config is valid for {world_size} rank(s); nothing was built or started", flush=True)
+        return 0
     if nproc is not None:
-        return launch([*(rank_command or [sys.argv[0]]), *overrides], nproc_per_node=nproc,
+        file_args = ["--config-file", known.config_file] if known.config_file else []
+        return launch([*(rank_command or [sys.argv[0]]), *file_args, *overrides], nproc_per_node=nproc,
                       max_restarts=known.max_restarts or 0)
     from tierstack import pretrain
 
@@ -105,6 +115,86 @@ def run(
         if under_torchrun():
             _exit_with_the_other_ranks(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
+    return 0
+
+
+def resolve_config(config_fn: Callable[[], ConfigContainer], overrides: Sequence[str],
+                   config_file: Optional[str] = None) -> tuple[ConfigContainer, list[str]]:
+    """The run's config: the recipe, then ``config_file``'s fields, then the overrides, then the
+    architecture and tokenizer of ``checkpoint.pretrained_checkpoint`` for the fields not given.
+
+    Returns:
+        ``(config, taken)``: ``taken`` lists each field taken from the pretrained checkpoint that
+        differs from the recipe (``section.field=value``, paste-ready).
+
+    Raises:
+        ConfigError: a bad file, override, or a given field that contradicts the pretrained checkpoint.
+    """
+    from tierstack.training.pretrained_fields import adopt_pretrained, given_keys
+
+    config = config_fn()
+    data = load_yaml(config_file) if config_file else None
+    if data:
+        config.apply_mapping(data, origin=f"--config-file {config_file}")
+    config.apply_overrides(overrides)
+    return config, adopt_pretrained(config, given_keys(overrides, data))
+
+
+def _note(config: ConfigContainer, taken: list[str]) -> None:
+    """Say once (rank 0, stderr: stdout may be a printed config) which fields came from the pretrained
+    checkpoint, and the settings that look unintended (``ConfigContainer.notes``)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    lines = [f"note: {n}" for n in config.notes()]
+    if taken:
+        lines.insert(0, f"checkpoint.pretrained_checkpoint={config.checkpoint.pretrained_checkpoint}: architecture "
+                     "and tokenizer taken from it, where they differ from the recipe (to keep them in a recipe "
+                     f"or config file): {' '.join(taken)}")
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split the run's own flags from the ``section.field=value`` overrides."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", type=int, default=None)
+    parser.add_argument("--max-restarts", type=int, default=None)
+    parser.add_argument("-h", "--help", action="store_true")
+    parser.add_argument("--print-config", action="store_true")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--config-file", default=None)
+    return parser.parse_known_args(list(argv))
+
+
+RUN_FLAGS = """flags:
+  --nproc-per-node N    validate for N ranks, then launch them on this machine (leave it out under torchrun)
+  --max-restarts R      with --nproc-per-node: restart every rank up to R times after a failure
+  --config-file FILE    start from FILE (YAML, as --print-config writes it); overrides apply on top
+  --print-config        print the resolved config as YAML and exit (save it, edit it, give it to --config-file)
+  --dry-run             validate the config for the ranks given, build nothing, exit 0 (2 when invalid)
+  -h, --help            this text: every section and field, with its value here and what it means"""
+
+
+def recipe_summary(config_fn: Callable[[], ConfigContainer]) -> str:
+    """The first paragraph of the recipe's module docstring (else its own), on one line."""
+    import inspect
+
+    module = inspect.getmodule(config_fn)
+    doc = (module.__doc__ if module is not None and module.__doc__ else config_fn.__doc__) or ""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def _show(config: ConfigContainer, config_fn: Callable[[], ConfigContainer], known: argparse.Namespace) -> int:
+    """``--help`` (fields, values, docs) or ``--print-config`` (YAML) on stdout, once (rank 0)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if known.help:
+        print(f"{config_fn.__name__}: {recipe_summary(config_fn)}\n\n{RUN_FLAGS}\n\n"
+              "fields (section.field=value; the values are this recipe's, after --config-file and overrides):")
+        print(describe(config))
+    else:
+        sys.stdout.write(to_yaml(config))
+    sys.stdout.flush()
     return 0
 
 

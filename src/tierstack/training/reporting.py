@@ -60,7 +60,8 @@ def run_reporters(s):
     history = MetricsHistory(run_dir / "metrics.jsonl", rank=rank, resume_step=ts.step)
     if s.resume_info is not None:
         history.add_resume(ts.step)
-    progress = ProgressLogger(cfg.logger, total_iters=cfg.train.train_iters, start_iter=ts.step, rank=rank)
+    progress = ProgressLogger(cfg.logger, total_iters=cfg.train.train_iters, start_iter=ts.step, rank=rank,
+                              global_batch_size=cfg.train.global_batch_size)
     try:
         yield progress, history
     finally:

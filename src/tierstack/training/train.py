@@ -6,6 +6,7 @@ import logging
 import math
 from typing import Callable, Optional
 
+from tierstack.observability.megatron_log import NAN_ITERS, SKIPPED_ITERS, tracker_metrics
 from tierstack.training.loop import BatchShape, evaluate, model_flops_per_iteration, train_step
 from tierstack.training.setup import SetupOutput
 from tierstack.train_state import TrainState
@@ -111,12 +112,15 @@ class _ThroughputWindow:
 
     def __init__(self, flops_per_rank_per_iter: float = 0.0) -> None:
         self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        self.skipped, self.nan = 0, 0  # iterations whose update was skipped / whose loss was not finite
         self.flops_per_rank_per_iter = flops_per_rank_per_iter  # model FLOPs of one iteration / world size
 
     def add(self, result) -> None:
         self.seconds += result.seconds
         self.tokens += result.tokens
         self.steps += 1
+        self.skipped += not result.update_successful
+        self.nan += not math.isfinite(result.loss)
 
     def take(self) -> dict:
         out = {
@@ -126,7 +130,10 @@ class _ThroughputWindow:
             "tflops_per_rank": self.flops_per_rank_per_iter * self.steps / self.seconds / 1e12
             if self.seconds > 0 else math.nan,
         }
+        # the counts only when there are any: the default line stays as it was on a clean interval
+        out.update({k: n for k, n in ((SKIPPED_ITERS, self.skipped), (NAN_ITERS, self.nan)) if n})
         self.seconds, self.tokens, self.steps = 0.0, 0, 0
+        self.skipped, self.nan = 0, 0
         return out
 
 
@@ -176,8 +183,9 @@ def _publish_metrics(s: SetupOutput, step: int, metrics: dict, progress, history
         progress.log_step(step, metrics)
     if history is not None:
         history.append(step, metrics)
-    if s.experiment_tracker is not None:
-        s.experiment_tracker.log_metrics(step, metrics)
+    if s.experiment_tracker is not None:  # logger.format=megatron: Megatron-LM's metric names
+        s.experiment_tracker.log_metrics(step, tracker_metrics(s.config.logger.format, metrics,
+                                                               s.config.train.global_batch_size))
 
 
 def _current_lr(optimizer) -> float:

@@ -35,7 +35,10 @@ def test_shape_fields_and_tokenizer_are_refused_all_at_once(tmp_path):
     assert "model.hidden_size: 256 in the checkpoint, 192 now" in text
     assert "model.num_layers: 4 in the checkpoint, 3 now" in text
     assert "tokenizer: the byte tokenizer (vocabulary 257) in the checkpoint, the Hugging Face tokenizer" in text
-    assert "(vocabulary 2000" in text and "put back model.hidden_size=256, model.num_layers=4" in text
+    assert "(vocabulary 2000" in text
+    # the values to paste, the tokenizer's fields named one by one
+    assert ("put back (paste-ready): model.hidden_size=256 model.num_layers=4 tokenizer.tokenizer_path=null "
+            "tokenizer.tokenizer_type=byte\n") in text
     assert "train.train_iters" not in text  # allowed changes are not part of a refusal
 
 

@@ -213,3 +213,23 @@ def test_a_load_directory_that_does_not_exist_is_refused_unless_it_is_the_save_d
     ConfigContainer().apply_overrides([f"checkpoint.save={tmp_path}/run", f"checkpoint.load={tmp_path}/run/"]).validate(1)
     (tmp_path / "elsewhere").mkdir()
     ConfigContainer().apply_overrides([f"checkpoint.save={tmp_path}/run", f"checkpoint.load={tmp_path}/elsewhere"]).validate(1)
+
+
+def test_an_lr_below_the_recipes_min_lr_says_to_set_min_lr_too():
+    from tierstack.recipes import gpt_tiny_config
+
+    cfg = gpt_tiny_config().apply_overrides(["optimizer.lr=1e-4"])
+    with pytest.raises(ConfigError, match=r"optimizer.min_lr=0.0003 is above optimizer.lr=0.0001 .*"
+                                          r"set optimizer.min_lr too, e.g. optimizer.min_lr=1e-05"):
+        cfg.validate(world_size=2)
+
+
+def test_a_warmup_that_covers_the_whole_run_is_noted(capsys):
+    from tierstack import cli
+
+    cfg = ConfigContainer().apply_overrides(["train.train_iters=10", "scheduler.lr_warmup_iters=10"])
+    assert cfg.notes() and "covers the whole run" in cfg.notes()[0]
+    assert ConfigContainer().apply_overrides(["train.train_iters=11", "scheduler.lr_warmup_iters=10"]).notes() == []
+    assert cli.main(["pretrain", "gpt_tiny", "--dry-run", "--nproc-per-node", "2", "train.train_iters=10",
+                     "scheduler.lr_warmup_iters=10"]) == 0
+    assert "note: scheduler.lr_warmup_iters=10 covers the whole run" in capsys.readouterr().err

@@ -124,3 +124,23 @@ def test_data_iterator_over_gpt_dataset(tmp_path):
     batch = next(build_data_iterator(train, 8, 4, 1, 2))
     assert batch["tokens"].shape == batch["labels"].shape == (4, SEQ)
     assert torch.equal(batch["tokens"][0], train[8 + 4]["tokens"])  # rank 1's slice of step 1
+
+
+def test_data_path_the_megatron_way_from_the_command_line(tmp_path, gloo_group):
+    """One path or Megatron's "w1 p1 w2 p2" string, as overrides; the blend string builds a real blend."""
+    from tierstack.config import ConfigContainer, ConfigError
+
+    a, b = _corpus(tmp_path, "a", seed=1), _corpus(tmp_path, "b", seed=2)
+    cfg = ConfigContainer().apply_overrides([f"dataset.data_path={a}", f"dataset.cache_dir={tmp_path / 'cache'}"])
+    assert cfg.dataset.data_path == a
+    cfg.dataset.validate()
+    cfg.apply_overrides([f"dataset.data_path='0.3 {a} 0.7 {b}'", "dataset.split=90,10,0"])
+    assert parse_data_path(cfg.dataset.data_path) == ([a, b], [0.3, 0.7])
+    train, _ = _build(cfg.dataset)
+    assert isinstance(train, BlendedDataset) and len(train) == 100
+    cfg.apply_overrides([f"dataset.data_path=[0.3, {a}, 0.7, {b}]"])
+    assert parse_data_path(cfg.dataset.data_path) == ([a, b], [0.3, 0.7])
+    for wrong in ("{x: 1}", f"[[{a}]]", "true"):
+        cfg = ConfigContainer().apply_overrides([f"dataset.data_path={wrong}"])
+        with pytest.raises(ConfigError, match=r"dataset.data_path=.*: expected a prefix"):
+            cfg.validate(world_size=1)
