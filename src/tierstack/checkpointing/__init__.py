@@ -3,7 +3,7 @@
 The training loop uses :class:`CheckpointManager` only; the rest is here to be read and tested.
 """
 
-from tierstack.checkpointing.global_reader import CheckpointLoadError
+from tierstack.checkpointing.errors import CheckpointLoadError
 from tierstack.checkpointing.manager import CheckpointManager, CheckpointSaveError
 from tierstack.checkpointing.types import (
     CheckpointTier,

@@ -23,13 +23,10 @@ Records are ``[[step, value], ...]``, best first (lower is better for every metr
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from tierstack.checkpointing import paths
+from tierstack.config.pretrained_spec import BEST_SUFFIX, TRACKER_BEST, resolve_pretrained  # noqa: F401 - re-exported
 from tierstack.config.sections import BEST_METRICS as METRICS  # metric name -> lower is better
-TRACKER_BEST = "best_checkpointed_iteration.txt"
-BEST_SUFFIX = ":best"
 
 
 def top_k(records: Iterable, k: int) -> list[list]:
@@ -107,27 +104,3 @@ class BestRecords:
         """The GLOBAL save of ``step`` was handed on, blocked or failed: its candidate is spent."""
         if self.pending is not None and self.pending[0] <= step:
             self.pending = None
-
-
-def resolve_pretrained(spec: str) -> Path:
-    """``<root>:best`` -> the step directory named by the root's ``best`` tracker; any other value
-    -> the path itself.
-
-    Raises:
-        FileNotFoundError: ``<root>:best`` and the root has no ``best`` tracker, or its step
-            directory is missing (the message names ``checkpoint.pretrained_checkpoint``).
-    """
-    if not spec.endswith(BEST_SUFFIX):
-        return Path(spec)
-    root = Path(spec[: -len(BEST_SUFFIX)])
-    tracker = root / TRACKER_BEST
-    try:
-        step = int(tracker.read_text().strip())
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"checkpoint.pretrained_checkpoint={spec}: no readable best tracker "
-                                f"{tracker} ({e}); was it saved with checkpoint.keep_best_k > 0?") from e
-    path = root / paths.step_dir_name(step)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint.pretrained_checkpoint={spec}: {tracker} names step {step} but "
-                                f"{path} does not exist")
-    return path

@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing.global_reader import CheckpointLoadError
+from tierstack.checkpointing.errors import CheckpointLoadError
 from tierstack.config.describe import override_text
 from tierstack.config.sections import ModelConfig, TokenizerConfig
 from tierstack.runtime import collectives as _dist

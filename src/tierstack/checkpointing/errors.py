@@ -130,3 +130,7 @@ def describe(exc: Optional[BaseException]) -> str:
     leaves = [e for e in chain if not _is_remote_only(e)]
     e = leaves[-1] if leaves else chain[0]
     return f"{type(e).__name__}: {e}"
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint cannot be loaded as asked; the message says which setting to change."""

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from tierstack.checkpointing import paths
 from tierstack.checkpointing.replication import REPLICAS_DIR
-from tierstack.checkpointing.global_reader import CheckpointLoadError
+from tierstack.checkpointing.errors import CheckpointLoadError
 from tierstack.checkpointing.types import CheckpointTier, CheckpointTierHandler
 from tierstack.errors import BadInputError
 from tierstack.runtime import collectives as _dist

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from tierstack.checkpointing import model_settings, paths
+from tierstack.checkpointing.errors import CheckpointLoadError  # noqa: F401 - re-exported (its old home)
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.types import TrainingObjects
 from tierstack.config import CheckpointConfig
@@ -21,10 +22,6 @@ from tierstack.runtime import ParallelLayout
 from tierstack.runtime import collectives as _dist
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint cannot be loaded as asked; the message says which setting to change."""
 
 
 class GlobalReader:
@@ -135,7 +132,7 @@ class GlobalReader:
             root = path
             step = int((path / paths.TRACKER_ITERATION).read_text().strip())
         if run_config is not None:
-            from tierstack.checkpointing import compat  # compat names this module's CheckpointLoadError
+            from tierstack.checkpointing import compat  # above this module (it imports data.tokenizers)
 
             step_dir = root / paths.step_dir_name(step)
             compat.check(paths.read_json(step_dir / paths.MANIFEST), run_config, str(step_dir), pretrained=True)

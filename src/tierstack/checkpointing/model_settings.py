@@ -61,7 +61,7 @@ def check_load(manifest: dict, now: dict, *, optim: bool, where: str, casts_weig
         CheckpointLoadError: ``transformer_impl`` differs, or ``bf16`` differs and ``optim`` is set
             or the tier cannot cast weights; the message names the setting to change.
     """
-    from tierstack.checkpointing.global_reader import CheckpointLoadError
+    from tierstack.checkpointing.errors import CheckpointLoadError
 
     saved_impl = manifest.get("transformer_impl")
     if saved_impl is not None and saved_impl != now["transformer_impl"]:

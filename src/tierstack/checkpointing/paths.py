@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from tierstack.config.pretrained_spec import step_dir_name  # noqa: F401 - the one definition, re-exported
+
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
@@ -48,8 +50,6 @@ _LOCAL_FILE = re.compile(r"^iter_(\d+)_(\d+)_local\.pt$")
 _LOCAL_STEM = re.compile(r"^iter_(\d+)_(\d+)_local(?:\.|$)")
 
 
-def step_dir_name(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def parse_step_dir(name: str) -> Optional[int]:

@@ -14,7 +14,7 @@ import torch
 
 from tierstack import runtime
 from tierstack.checkpointing.types import TrainingObjects
-from tierstack.training.optim import load_scheduler_state, scheduler_state
+from tierstack.checkpointing.scheduler_state import load_scheduler_state, scheduler_state
 
 log = logging.getLogger(__name__)
 

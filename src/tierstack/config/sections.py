@@ -302,7 +302,7 @@ class CheckpointConfig(_Section):
 def _pretrained_problems(spec: str) -> list[str]:
     """``checkpoint.pretrained_checkpoint``: a path that exists, or ``<GLOBAL root>:best`` whose
     ``best`` tracker names a step directory that exists."""
-    from tierstack.checkpointing.best import BEST_SUFFIX, resolve_pretrained
+    from tierstack.config.pretrained_spec import BEST_SUFFIX, resolve_pretrained
 
     if spec.endswith(BEST_SUFFIX):
         try:

@@ -100,7 +100,7 @@ def run(
         file_args = ["--config-file", known.config_file] if known.config_file else []
         return launch([*(rank_command or [sys.argv[0]]), *file_args, *overrides], nproc_per_node=nproc,
                       max_restarts=known.max_restarts or 0)
-    from tierstack import pretrain
+    from tierstack.training.pretrain import pretrain
 
     try:
         pretrain(config)

@@ -54,9 +54,9 @@ def world_size() -> int:
 
 
 def _device() -> torch.device:
-    from tierstack import runtime
+    from tierstack.runtime.devices import device
 
-    return runtime.device()
+    return device()
 
 
 @_guarded

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tierstack.runtime import cpu_compat, known_warnings
+from tierstack.runtime.devices import default_backend, device, has_gpu  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -52,23 +53,6 @@ class ParallelLayout:
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
             "data_parallel_size": self.data_parallel_size,
         }
-
-
-def has_gpu() -> bool:
-    """True when a CUDA device can be used."""
-    return torch.cuda.is_available()
-
-
-def device() -> torch.device:
-    """The device this rank computes on (``cuda:<local_rank>`` or ``cpu``)."""
-    if has_gpu():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def default_backend() -> str:
-    """``nccl`` on GPU, ``gloo`` on CPU."""
-    return "nccl" if has_gpu() else "gloo"
 
 
 def synchronize() -> None:
