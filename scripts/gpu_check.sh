@@ -17,7 +17,7 @@
 # and export under the transformer-engine spec, replication in bounded rounds) on the real device.
 # Limits: the functional suite took 15 min 21 s in one process on 2 CPU cores (README, "Tests"); its
 # limit is twice that. On a lent machine with less time, GPU_CHECK_FUNCTIONAL selects test paths.
-# Environment: GPU_CHECK_DIR (default runs/gpu_check), PYTHON (default python3.11), NGPU (default: all),
+# Environment: GPU_CHECK_DIR (default runs/gpu_check), PYTHON (a Python 3.12 for scripts/setup.sh; default: found on PATH or pyenv), NGPU (default: all),
 # GPU_CHECK_FUNCTIONAL (pytest paths of the functional step; default tests/functional_tests, and
 # tests/functional_tests/test_main_job.py with --device cpu).
 set -uo pipefail
@@ -174,8 +174,8 @@ fi
 
 if [ "$install" = 1 ]; then
   step install 1200 "GPU extra from constraints; transformer-engine from wheels only" \
-    bash -c "{ [ -x '$py' ] || ${PYTHON:-python3.11} -m venv '$venv'; } && '$py' -m pip install -q -c constraints.txt \
---only-binary=transformer-engine,transformer-engine-cu12,transformer-engine-torch -e '.[gpu,test]'"
+    bash -c "bash scripts/setup.sh && '$py' -m pip install -q -c constraints.txt \
+--only-binary=transformer-engine,transformer-engine-cu12,transformer-engine-cu13,transformer-engine-torch -e '.[gpu,test]'"
 else
   record install SKIPPED - "--skip-install"
 fi
