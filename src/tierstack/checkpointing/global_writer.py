@@ -82,8 +82,10 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
 
     def write_all() -> dict:
         mine: queue.Queue = queue.Queue()  # this attempt's outcome only: a failed one never reaches finalize
+        for bucket in buckets:
+            _bucket_errors.pop(str(bucket[0]), None)
         request.async_fn(rank, buckets, mine)
-        out = mine.get_nowait()
+        out = _original_error(mine.get_nowait(), buckets)
         if isinstance(out, OSError) and out.filename is None:
             # a stream's write error carries no path: name the file when there is one, else the directory
             out.filename = str(buckets[0][0]) if len(buckets) == 1 else str(staging)
@@ -96,6 +98,44 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
     names = [bucket[1] for bucket in buckets]
     return _with_retries(lambda: manifest.describe_files(staging, names),
                          f"GLOBAL checksum of {staging.name}/{names}", attempts, backoff_s)
+
+
+# file path -> the exception megatron's per-file writer returned for it. megatron-core 0.19's threaded
+# driver turns the error of the file it writes on the calling thread into a bare
+# ``RuntimeError("An error is caught while starting worker ...")`` without its cause, losing the
+# errno that decides whether a retry can help; :func:`install_error_capture` records the original.
+_bucket_errors: dict[str, BaseException] = {}
+
+
+def install_error_capture() -> None:
+    """Wrap megatron's per-file writer (``FileSystemWriterAsync.write_preloaded_data``, looked up on
+    the class at call time) so the exception it returns for a file is kept by path. Idempotent."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    real = FileSystemWriterAsync.write_preloaded_data
+    if getattr(real, "__tierstack_capture__", False):
+        return
+
+    def capture(*args, **kwargs):
+        out = real(*args, **kwargs)
+        bucket = kwargs.get("write_bucket", args[2] if len(args) > 2 else None)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], BaseException) and bucket is not None:
+            _bucket_errors[str(bucket[0])] = out[1]
+        return out
+
+    capture.__tierstack_capture__ = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(capture)
+
+
+def _original_error(out, buckets):
+    """``out`` itself, unless it is megatron's cause-less wrapper of a file's error: then that error."""
+    if not isinstance(out, BaseException) or getattr(out, "errno", None) is not None:
+        return out
+    for bucket in buckets:
+        original = _bucket_errors.pop(str(bucket[0]), None)
+        if original is not None:
+            return original
+    return out
 
 
 def _with_retries(fn, what: str, attempts: int, backoff_s: float):
@@ -135,6 +175,7 @@ def start_results_channel() -> "queue.Queue":
     save are read by the finalize of the same save, so nothing pending is lost at a tier's start)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    install_error_capture()
     if not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()
     return filesystem_async._results_queue
