@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from tierstack.checkpointing import (
     best, compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
+    safe_load,
 )
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.global_reader import GlobalReader
@@ -364,9 +365,12 @@ class GlobalTier(StagedTier):
                         "resume takes the newest valid checkpoint there is", tracker, named, self.load_root)
 
     def verify(self, cand: Candidate) -> Optional[str]:
-        """This rank's share of the file checks (sizes and checksums, split over ranks)."""
+        """This rank's share of the file checks (sizes and checksums, split over ranks); the rank whose
+        share holds the pickled files (``.metadata``, a legacy ``common.pt``) also reads them with the
+        allow-list of :mod:`safe_load`, so a resume never unpickles code a checkpoint brings."""
         names = sorted(cand.manifest["files"])
-        return manifest.check_files(cand.path, cand.manifest["files"], names[_dist.rank():: _dist.world_size()])
+        mine = names[_dist.rank():: _dist.world_size()]
+        return manifest.check_files(cand.path, cand.manifest["files"], mine) or safe_load.problem(cand.path, mine)
 
     def prepare_resume(self, run_id: str) -> None:
         """Nothing to fetch: a GLOBAL checkpoint is on shared storage."""
