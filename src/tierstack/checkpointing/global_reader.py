@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from tierstack.checkpointing import model_settings, paths
+from tierstack.checkpointing import model_settings, paths, safe_load
 from tierstack.checkpointing.errors import CheckpointLoadError  # noqa: F401 - re-exported (its old home)
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.types import TrainingObjects
@@ -70,6 +70,10 @@ class GlobalReader:
             ckpt_state.warn_no_rng(step, "global")
         if c.load_rng and not model_only and saved != now:
             log.warning("GLOBAL load: topology changed %s -> %s; per-rank RNG state not restored", saved, now)
+        try:
+            safe_load.check_global(path)  # never unpickle code a checkpoint brings
+        except safe_load.UnsafeCheckpointError as e:
+            raise CheckpointLoadError(str(e)) from None
         sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)
         loaded = dist_checkpointing.load(sd, str(path), sharded_strategy=self._load_strategy(path))
         if model_only:

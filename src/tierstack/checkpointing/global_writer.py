@@ -168,15 +168,20 @@ def discard_results(request) -> None:
             return
 
 
-def start_results_channel() -> "queue.Queue":
+def start_results_channel(fresh: bool = False) -> "queue.Queue":
     """megatron-core's write-results queue (``filesystem_async._results_queue``), set to an
     in-process ``queue.Queue`` before megatron would start its Manager for it (see the module
-    docstring). Idempotent; a Manager-served queue left by other code is replaced (results of a
-    save are read by the finalize of the same save, so nothing pending is lost at a tier's start)."""
+    docstring). A Manager-served queue left by other code is replaced.
+
+    ``fresh``: a new queue even when one is there. The GLOBAL tier asks for one per save, before
+    megatron plans it, so each save's request holds a queue of its own: a writer abandoned after its
+    timeout that unblocks later puts its results into its own save's queue, which nobody reads, and
+    never into the next save's (whose finalize would otherwise read the stale results and lag by one).
+    """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     install_error_capture()
-    if not isinstance(filesystem_async._results_queue, queue.Queue):
+    if fresh or not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()
     return filesystem_async._results_queue
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from tierstack.checkpointing.replication import REPLICAS_DIR
-from tierstack.checkpointing import best, manifest, paths
+from tierstack.checkpointing import local_file, best, manifest, paths
 
 _HEADER = ("tier", "step", "size", "files", "valid", "consumed", "metric", "mark", "run", "path / problem")
 
@@ -80,6 +80,11 @@ def _embedded_step(d: Path) -> tuple[Optional[int], Optional[str]]:
     quiet = _logging.getLogger("megatron.core.dist_checkpointing.strategies.common")
     level = quiet.level
     quiet.setLevel(_logging.ERROR)  # load_common's deprecation notice, once per legacy checkpoint
+    from tierstack.checkpointing import safe_load
+
+    unsafe = safe_load.problem(d, [".metadata", "common.pt"])
+    if unsafe is not None:
+        return None, unsafe  # read nothing more of it
     try:
         common = load_common_state_dict(str(d))
     except Exception as e:  # noqa: BLE001 - an unreadable file is a damaged checkpoint
@@ -219,6 +224,11 @@ def _check_local_file(f: Path, parsed: tuple[int, int], checksums: bool) -> tupl
     problem = manifest.check_manifest(man, step=parsed[0])
     if problem is None:
         problem = manifest.check_files(f.parent, man["files"], checksums=checksums)
+    if problem is None and checksums:  # verify: its pickled part must load weights-only
+        try:
+            local_file.check_pickle(f)
+        except local_file.LocalFileError as e:
+            problem = str(e)
     return man, problem
 
 

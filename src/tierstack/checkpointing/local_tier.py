@@ -321,12 +321,16 @@ class LocalTier(StagedTier):
         """Read this rank's file once, checking size and checksum; the bytes are kept for :meth:`load`.
 
         This read *is* the load's read: resume selection verifies every rank's file (and quarantines
-        on failure) before any state changes, and the load decodes the bytes verified here.
+        on failure) before any state changes, and the load decodes the bytes verified here. The
+        file's pickled part is decoded here too, weights-only (:mod:`safe_load`), so a file that
+        asks for code is refused in selection, like a damaged one, and the next candidate is tried.
         """
         self._verified.clear()
         (name, entry), = cand.manifest["files"].items()
         try:
-            self._verified[cand.step] = local_file.read_verified(self.rank_dir / name, entry)
+            data = local_file.read_verified(self.rank_dir / name, entry)
+            local_file.decode(data, self.rank_dir / name)  # weights-only: an unsafe pickle is refused here
+            self._verified[cand.step] = data
         except FileNotFoundError:
             return f"missing-file {name}"
         except local_file.LocalFileError as e:

@@ -153,6 +153,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path) -> list[Path]:
+    """Make every file under ``root`` and every directory of it (``root`` included) durable: each
+    file is opened and fsync'd (cheap for a file its writer already fsync'd), then each directory,
+    deepest first. Returns the files fsync'd.
+
+    Raises:
+        OSError: a file could not be opened or fsync'd (the caller's save then fails, retried when
+            transient); a directory that refuses fsync is tolerated as in :func:`fsync_dir`.
+    """
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file())
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dirs = sorted((p for p in Path(root).rglob("*") if p.is_dir()), key=lambda d: len(d.parts), reverse=True)
+    for d in [*dirs, Path(root)]:
+        fsync_dir(d)
+    return files
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temp file beside ``path``, fsync, rename over ``path``, fsync the directory.
 

@@ -8,6 +8,13 @@ retry would find its own published copy in the way. So everything that can run o
 tracker contents, fsync'd in temp files; the run file) happens before the rename, and if any later
 step fails the rename is undone and the old trackers put back: either the step is published
 (directory and trackers agree) or nothing of it is visible to resume, and a retry starts clean.
+
+Durability: before the rename, every file of the step (megatron's ``.metadata`` and ``metadata.json``,
+``run_config.yaml``, the manifest, the data files) and every directory of it is fsync'd
+(:func:`paths.fsync_tree`), then the rename and the root directory: after a power loss the trackers
+never name a step with an empty or missing file, and retention (which runs after this) never removes
+the previous checkpoint while the new one is only in the page cache. Data files are fsync'd by their
+writers too; on NFS rank 0's fsync of them only flushes what its own client holds.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ def publish_step(root: Path, step: int, staging: Path, train_state: dict, run_id
         for p, data in trackers.items():
             tmps[p] = paths.prepare_atomic(p, data)
         paths.write_run_file(root, run_id)
+        paths.fsync_tree(staging)  # every file and directory of the step durable before it becomes visible
         if final.exists():
             paths.quarantine(final, "superseded")  # ours, older (resumed with ckpt_step): kept aside
         staging.rename(final)
