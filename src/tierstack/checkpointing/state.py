@@ -185,6 +185,7 @@ def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> Non
     """Restore ``objs`` in place from a loaded state dict."""
     unwrap(objs.model[0]).load_state_dict(loaded[MODEL], strict=True)
     if optim:
+        _match_saved_group_lrs(objs.optimizer, loaded[SCHEDULER])
         objs.optimizer.load_state_dict(loaded[OPTIMIZER])
         _restore_per_param_adam_steps(objs.optimizer)
     else:
@@ -197,6 +198,25 @@ def apply(objs: TrainingObjects, loaded: dict, *, optim: bool, rng: bool) -> Non
     objs.train_state.load_state_dict(loaded[TRAIN_STATE])
     if rng and loaded.get(RNG) is not None:
         runtime.set_rng_state(loaded[RNG])
+
+
+def _match_saved_group_lrs(optimizer: Any, scheduler_sd: dict) -> None:
+    """Give this run's param groups the checkpoint's ``max_lr``/``min_lr`` before its optimizer state loads.
+
+    megatron-core 0.19 matches the saved param groups to the current ones by an identifier that
+    includes ``max_lr`` and ``min_lr`` (``MegatronOptimizer._filter_and_reorder_param_groups``), so a
+    resume with another ``optimizer.lr`` or ``optimizer.min_lr`` found no group and raised. The
+    checkpoint's values come from its scheduler state (tierstack gives every group the same two);
+    after the load the groups hold the checkpoint's values, and ``load_scheduler_state`` applies this
+    config's instead when ``scheduler.override_opt_param_scheduler`` says so, as before.
+    """
+    max_lr, min_lr = scheduler_sd.get("max_lr"), scheduler_sd.get("min_lr")
+    for opt in inner_optimizers(optimizer):
+        for group in getattr(getattr(opt, "optimizer", None), "param_groups", []):
+            if max_lr is not None and "max_lr" in group:
+                group["max_lr"] = max_lr
+            if min_lr is not None and "min_lr" in group:
+                group["min_lr"] = min_lr
 
 
 def _restore_per_param_adam_steps(optimizer: Any) -> None:
