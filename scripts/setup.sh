@@ -69,6 +69,13 @@ elif ! "$venv/bin/python" -m pip show -q nvidia-resiliency-ext >/dev/null 2>&1; 
   "${pip[@]}" install --quiet --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
     --platform "manylinux_2_39_$machine" --target "$site" "$nvrx"
 fi
+# pip --target puts the wheel's console scripts (ft_launcher, ...) under <site-packages>/bin; their
+# shebang is this venv's python: move them where the venv's other commands are.
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')"
+if [ -d "$site/bin" ]; then
+  mv -f "$site/bin/"* "$venv/bin/" 2>/dev/null || true
+  rmdir "$site/bin" 2>/dev/null || true
+fi
 # The rest, including NVRx's own dependencies (pip resolves them from its installed metadata).
 "${pip[@]}" install --quiet -c constraints.txt -e ".[test]"
 echo "$want" > "$stamp"
