@@ -390,3 +390,10 @@ class GlobalTier(StagedTier):
             super().close()
         finally:
             global_writer.shutdown_results_channel()
+
+    def close_alone(self) -> None:
+        """Not collective: :meth:`StagedTier.close_alone`, and drop the writer's result queue."""
+        try:
+            super().close_alone()
+        finally:
+            global_writer.shutdown_results_channel()

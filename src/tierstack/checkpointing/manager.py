@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import compat, intervals, selection
+from tierstack.checkpointing import closing, compat, intervals, selection
 from tierstack.checkpointing.best import BestRecords, resolve_pretrained
 from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard
 from tierstack.checkpointing import family as run_family
@@ -29,6 +29,7 @@ from tierstack.checkpointing.types import (
     TrainingObjects,
 )
 from tierstack.config import CheckpointConfig
+from tierstack.errors import raised_on_every_rank
 from tierstack.runtime import ParallelLayout
 from tierstack.runtime import collectives as _dist
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 class CheckpointSaveError(RuntimeError):
     """A save failed on some rank and ``checkpoint.exit_on_save_failure`` is set."""
+
+    raised_on_every_rank = True  # from the failure lists every rank holds alike
 
 
 def build_tiers(
@@ -378,20 +381,20 @@ class CheckpointManager:
             handler.wait_retention()
         self._raise_if_failed(blocked)
 
-    def close(self) -> None:
+    def close(self, error: Optional[BaseException] = None) -> None:
         """Collective: finalize every in-flight save and stop every writer, each tier even when
         another one's close raised (the first such error is raised after all are closed); then
-        :class:`CheckpointSaveError` if a save failed and ``exit_on_save_failure`` is set. Idempotent."""
+        :class:`CheckpointSaveError` if a save failed and ``exit_on_save_failure`` is set. Idempotent.
+        With ``error``, the error the run unwinds from, when it is not raised on every rank alike
+        (:func:`~tierstack.errors.raised_on_every_rank`): not collective, nothing raised
+        (:func:`~tierstack.checkpointing.closing.close_alone`)."""
         if self._closed:
             return
         self._closed = True
-        errors: list[BaseException] = []
+        if error is not None and not raised_on_every_rank(error):
+            return closing.close_alone(self._tiers.values(), error)
         with self._bounded():
-            for handler in self._tiers.values():
-                try:
-                    handler.close()
-                except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
-                    errors.append(e)
+            errors = closing.close_each(self._tiers.values())
         blocked = self._take_blocked()  # vetoes first: no retention of a step another tier blocked
         for handler in self._tiers.values():  # after the collectives: a rank deleting longer stalls no other
             handler.close_retention()

@@ -192,3 +192,8 @@ class CheckpointTierHandler(Protocol):
     def close(self) -> None:
         """Finalize the save in flight (blocking), stop the writer thread, free the staging buffers."""
         ...
+
+    def close_alone(self) -> None:
+        """Not collective: on a rank unwinding from its own error, abandon the save in flight
+        unpublished and stop the writer without waiting for it."""
+        ...

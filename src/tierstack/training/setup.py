@@ -207,7 +207,8 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     )
     # Closed before the mlflow run ends (the final save's listener logs to it) and before the
     # process groups go away; closing drops the GLOBAL writer's result queue.
-    register(stack, "checkpoint manager", ckpt.close)
+    # With an error of this rank's own in flight, the close enters no collective (CheckpointManager.close).
+    register(stack, "checkpoint manager", ckpt.close, with_error=True)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     resume_info = ckpt.resume(objs)
     if resume_info is not None:
