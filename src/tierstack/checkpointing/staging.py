@@ -357,7 +357,10 @@ class StagedTier:
         try:
             self.finalize(blocking=True)
         finally:
-            self._stager.close(self._write_timeout_s)
+            try:
+                self._stager.close(self._write_timeout_s)
+            finally:
+                self._on_close()
 
     def close_alone(self) -> None:
         """Not collective: close on a rank that unwinds from an error of its own, which the other
@@ -370,4 +373,10 @@ class StagedTier:
             log.warning("%s save of step %d abandoned on rank %d: this rank is stopping on an error of its own "
                         "and publishing needs every rank", self._stager.name, self._in_flight.step, collectives.rank())
             self._in_flight = None
-        self._stager.close(timeout_s=0)
+        try:
+            self._stager.close(timeout_s=0)
+        finally:
+            self._on_close()
+
+    def _on_close(self) -> None:
+        """A tier's own cleanup once its writer is stopped (both closes); none by default."""

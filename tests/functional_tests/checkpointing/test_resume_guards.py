@@ -2,6 +2,7 @@
 earlier run never leads to a silent fresh start, and a checkpoint without RNG state says so."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,21 @@ def test_resume_without_saved_rng_says_so_once(tmp_path):
     rc, log, recs = run(tmp_path / "b", "train.train_iters=3", f"checkpoint.save={g}")
     assert rc == 0 and recs[0]["resume"]["step"] == 2, log[-4000:]
     assert log.count("saved with checkpoint.save_rng=false: RNG state not restored") == 1, log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_deleted_best_checkpoint_and_load_optim_false_are_said_once(tmp_path):
+    """A best record naming a checkpoint deleted by hand is reported once at resume and dropped;
+    ``load_optim=false`` says once, on rank 0, that the optimizer state was not loaded."""
+    g = tmp_path / "global"
+    best_args = (f"checkpoint.save={g}", "checkpoint.save_interval=3", "checkpoint.keep_best_k=2")
+    rc, log, recs = run(tmp_path / "a", "train.train_iters=9", *best_args)
+    assert rc == 0, log[-4000:]
+    records = recs[0]["train_state"]["best_checkpoints"]
+    victim = next(int(s) for s, _ in records if int(s) != 9)  # a record that is not the step resumed
+    shutil.rmtree(g / f"iter_{victim:07d}")
+    rc, log, recs = run(tmp_path / "b", "train.train_iters=10", "checkpoint.load_optim=false", *best_args)
+    assert rc == 0 and recs[0]["resume"]["step"] == 9, log[-4000:]
+    assert log.count(f"best record step {victim} (val_loss") == 1, log[-4000:]
+    assert victim not in [int(s) for s, _ in recs[0]["train_state"]["best_checkpoints"]]
+    assert log.count("checkpoint.load_optim=false: the optimizer state of GLOBAL step 9") == 1, log[-4000:]
