@@ -362,8 +362,8 @@ class GlobalTier(StagedTier):
 
     def verify(self, cand: Candidate) -> Optional[str]:
         """This rank's share of the file checks (sizes and checksums, split over ranks)."""
-        names = sorted(cand.manifest["files"])
-        return manifest.check_files(cand.path, cand.manifest["files"], names[_dist.rank():: _dist.world_size()])
+        names = manifest.share(cand.manifest["files"], _dist.rank(), _dist.world_size())
+        return manifest.check_files(cand.path, cand.manifest["files"], names)
 
     def prepare_resume(self, run_id: str) -> None:
         """Nothing to fetch: a GLOBAL checkpoint is on shared storage."""

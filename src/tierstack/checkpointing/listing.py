@@ -268,7 +268,7 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     others = len(rows) - replicas - sum(1 for r in rows if r[4] in ("yes", "NO"))
     lines.append(f"{len(rows) - others - replicas} checkpoint(s), {bad} invalid"
                  + (f"; {replicas} step(s) of valid replicas kept for other nodes" if replicas else "")
-                 + (f"; {others} leftover/quarantined (not checkpoints; the next save cleans leftovers)" if others else "")
+                 + (f"; {others} leftover/quarantined/rewound (not checkpoints; the next save cleans leftovers)" if others else "")
                  + ("" if checksums else " (sizes only; `verify` checks checksums)"))
     lines += [f"DISAGREE: {p}" for p in disagree]
     return "\n".join(lines), (1 if bad or disagree else 0)
