@@ -169,3 +169,26 @@ def test_the_early_warning_signal_makes_the_same_planned_exit(tmp_path):
     assert "SIGUSR1 (train.exit_signal) received on some rank" in log
     tracker = run / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert tracker.exists() and (run / "checkpoints" / f"iter_{int(tracker.read_text()):07d}").is_dir(), log[-6000:]
+
+
+@pytest.mark.slow
+def test_a_rank_failing_alone_runs_no_checkpoint_collective_while_it_unwinds(tmp_path, torchrun):
+    """Found by reading: rank 1 failed alone (an error of its own in a forward) while a LOCAL save
+    was in flight, and its close finalized that save with WORLD all-reduces that rank 0, inside the
+    step's collectives, never entered. It now closes without collectives: its own error is what
+    ends the launch, at once, and no closer fails on a collective."""
+    import time
+
+    run = tmp_path / "tiny"
+    t0 = time.monotonic()
+    proc = torchrun([WORKER, tmp_path, "distributed.tensor_model_parallel_size=2", "train.train_iters=20",
+                     "train.eval_interval=null", f"checkpoint.local_dir={run}/local", "checkpoint.local_save_interval=4",
+                     "checkpoint.collective_timeout_s=60"], env={"TIERSTACK_TEST_RAISE_AT": "5"}, timeout=300)
+    seconds = time.monotonic() - t0
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-4000:]
+    assert "injected: an error of rank 1 only, in the forward of step 5" in log, log[-4000:]
+    assert "LOCAL save of step 4 abandoned on rank 1" in log, log[-4000:]
+    assert "rank 1 stops on an error of its own (RuntimeError)" in log
+    assert "closing checkpoint manager failed" not in log and "CollectiveError" not in log, log[-4000:]
+    assert seconds < 60 + 30, seconds  # never a collective timeout on the way out
