@@ -36,7 +36,7 @@ def resume(cfg: CheckpointConfig, layout: ParallelLayout, handlers: Sequence[Che
         return _fresh_start(cfg, layout, handlers, objs, selection.Selection(), None, run_config, pretrained_source)
     for handler in handlers:  # a fresh selection on every start: nothing cached from a previous attempt
         handler.prepare_resume(family)
-    ckpt_step = rewind.effective_step(handlers, cfg.ckpt_step)  # None once an earlier launch rewound
+    ckpt_step = rewind.effective_step(handlers, cfg.ckpt_step, family)  # None once an earlier launch rewound
     chosen = selection.select(handlers, family=family, ckpt_step=ckpt_step)
     if chosen.handler is None:
         return _fresh_start(cfg, layout, handlers, objs, chosen, family, run_config, pretrained_source)
@@ -60,37 +60,50 @@ def resume(cfg: CheckpointConfig, layout: ParallelLayout, handlers: Sequence[Che
 
 def repair_best_records(cfg: CheckpointConfig, objs: TrainingObjects) -> list[list]:
     """Collective: drop the top-K best records (``TrainState.best_checkpoints``) whose GLOBAL
-    checkpoint no longer exists in ``checkpoint.save`` (deleted by hand, lost with a volume, moved
-    aside by a rewind), said once on rank 0 naming each step and record, and point the ``best``
-    tracker at the best record left (removed when none is). Rank 0 decides; every rank takes the
-    same records.
+    checkpoint no longer exists in ``checkpoint.save`` (deleted by hand, lost with a volume), said
+    once on rank 0 naming each step and record, and point the ``best`` tracker at the best record
+    left (removed when none is left); a tracker naming a step that does not exist (moved aside by
+    a rewind) is repaired the same way. Rank 0 decides; every rank takes the same records.
 
     Returns:
         The dropped records, ``[[step, value], ...]`` (the same on every rank).
     """
     ts = objs.train_state
-    if not cfg.save or not ts.best_checkpoints or (cfg.load and Path(cfg.load) != Path(cfg.save)):
+    if not cfg.save or (cfg.load and Path(cfg.load) != Path(cfg.save)):
         return []  # the records name the save root's checkpoints (resumed from another root: not checked)
     root = Path(cfg.save)
     dropped = None
     if _dist.rank() == 0:
         dropped = [list(r) for r in ts.best_checkpoints if not (root / paths.step_dir_name(int(r[0]))).is_dir()]
     dropped = _dist.broadcast_object(dropped)
-    if not dropped:
-        return []
     ts.best_checkpoints = [list(r) for r in ts.best_checkpoints if list(r) not in dropped]
     if _dist.rank() == 0:
-        tracker = root / best.TRACKER_BEST
         for step, value in dropped:
             log.warning("resume: best record step %d (%s %g) names %s, which does not exist: record dropped",
                         step, cfg.best_metric, value, root / paths.step_dir_name(int(step)))
-        if ts.best_checkpoints:
-            paths.atomic_write_text(tracker, f"{int(ts.best_checkpoints[0][0])}\n")
-        elif tracker.exists():
-            tracker.unlink()
-        log.warning("resume: %s now names %s", tracker.name,
-                    f"step {int(ts.best_checkpoints[0][0])}" if ts.best_checkpoints else "nothing (removed)")
+        _repair_best_tracker(root, ts.best_checkpoints, force=bool(dropped))
     return dropped
+
+
+def _repair_best_tracker(root: Path, records: list, force: bool) -> None:
+    """Rank 0: the ``best`` tracker names the best of ``records`` (none: removed), when ``force``
+    or when the step it names has no directory."""
+    tracker = root / best.TRACKER_BEST
+    try:
+        named = int(tracker.read_text().strip()) if tracker.exists() else None
+    except (OSError, ValueError):
+        named = -1  # unreadable: rewritten
+    stale = named is not None and not (root / paths.step_dir_name(named)).is_dir()
+    if not (force or stale):
+        return
+    if stale:
+        log.warning("resume: %s names step %s, which does not exist", tracker, named)
+    if records:
+        paths.atomic_write_text(tracker, f"{int(records[0][0])}\n")
+    elif tracker.exists():
+        tracker.unlink()
+    log.warning("resume: %s now names %s", tracker.name, f"step {int(records[0][0])}" if records else
+                "nothing (removed)")
 
 
 def _fresh_start(cfg: CheckpointConfig, layout: ParallelLayout, handlers: Sequence[CheckpointTierHandler],

@@ -32,16 +32,17 @@ def _roots(handlers: Sequence[CheckpointTierHandler]) -> list[Path]:
     return [Path(h.run_root) for h in handlers if h.enabled and h.run_root is not None]
 
 
-def effective_step(handlers: Sequence[CheckpointTierHandler], ckpt_step: Optional[int]) -> Optional[int]:
+def effective_step(handlers: Sequence[CheckpointTierHandler], ckpt_step: Optional[int],
+                   run_id: Optional[str] = None) -> Optional[int]:
     """Collective: the step resume selection must pick: ``ckpt_step``, or None (the newest) when an
-    earlier launch already rewound this run to ``ckpt_step`` (its record says so)."""
+    earlier launch already rewound run ``run_id`` to ``ckpt_step`` (its record says so)."""
     if ckpt_step is None:
         return None
     applied = None
     if collectives.rank() == 0:
         for root in _roots(handlers):
             record = paths.read_json(root / RECORD) or {}
-            if record.get("ckpt_step") == ckpt_step:
+            if record.get("ckpt_step") == ckpt_step and record.get("run_id") in (None, run_id):
                 applied = str(root / RECORD)
                 break
     applied = collectives.broadcast_object(applied)

@@ -131,3 +131,17 @@ def test_no_best_record_left_removes_the_best_tracker(tmp_path):
     objs = _objs([[6, 1.5]])
     assert repair_best_records(CheckpointConfig(save=str(tmp_path), keep_best_k=2), objs) == [[6, 1.5]]
     assert objs.train_state.best_checkpoints == [] and not (tmp_path / TRACKER_BEST).exists()
+
+
+def test_a_best_tracker_naming_a_step_that_is_gone_is_repaired_from_the_records(tmp_path, caplog):
+    """After a rewind the tracker of the abandoned timeline names a step moved aside."""
+    from tierstack.checkpointing.best import TRACKER_BEST
+    from tierstack.checkpointing.resuming import repair_best_records
+    from tierstack.config import CheckpointConfig
+
+    _global_dir(tmp_path, 4)
+    (tmp_path / TRACKER_BEST).write_text("40\n")
+    objs = _objs([[4, 2.0]])
+    with caplog.at_level("WARNING"):
+        assert repair_best_records(CheckpointConfig(save=str(tmp_path), keep_best_k=2), objs) == []
+    assert (tmp_path / TRACKER_BEST).read_text() == "4\n" and "names step 40, which does not exist" in caplog.text
