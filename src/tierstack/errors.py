@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 
 class BadInputError(Exception):
@@ -44,4 +45,12 @@ def say_once(exc: BadInputError) -> None:
     exc.said = True
 
 
-__all__ = ["BadInputError", "report_on_rank_0", "say_once"]
+def raised_on_every_rank(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` is an error every rank raises at the same point (the ranks agreed on it
+    first): a :class:`BadInputError`, or a class that sets ``raised_on_every_rank = True`` (e.g.
+    ``CheckpointSaveError``, ``NonFiniteError``). Anything else (a bug, an OOM, a failed
+    collective) may be this rank's alone: while it unwinds, the rank must enter no collective."""
+    return isinstance(exc, BadInputError) or bool(getattr(exc, "raised_on_every_rank", False))
+
+
+__all__ = ["BadInputError", "raised_on_every_rank", "report_on_rank_0", "say_once"]

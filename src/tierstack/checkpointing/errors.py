@@ -73,6 +73,14 @@ def errno_of(exc: BaseException) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _failures(exc: BaseException) -> list:
+    """The per-rank errors a torch ``CheckpointException`` gathered (none for other errors)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+
+
 def _is_remote_only(exc: BaseException) -> bool:
     if isinstance(exc, RemoteFailure):
         return True
@@ -83,13 +91,20 @@ def _is_remote_only(exc: BaseException) -> bool:
 def classify(exc: Optional[BaseException]) -> int:
     """OK for None; TRANSIENT when every errno found anywhere in the chain is transient; PERMANENT
     when any errno is permanent or no errno is found in a local error (a bug such as TypeError);
-    REMOTE when the error only says that another rank failed."""
+    REMOTE when the error only says that another rank failed. Any permanent cause makes the whole
+    failure permanent: an inner error marked so (``NotRetryable``), or one rank's failure among
+    those a ``CheckpointException`` gathered (each is classified on its own)."""
     if exc is None:
         return OK
     outcome = getattr(exc, "outcome", None)
     if isinstance(outcome, int) and outcome in NAMES:  # already agreed on by an inner step
         return outcome
     chain = list(causes(exc))
+    if any(getattr(e, "outcome", None) == PERMANENT for e in chain):
+        return PERMANENT
+    gathered = [classify(f) for e in chain for f in _failures(e)]
+    if PERMANENT in gathered:  # one rank's bug or permanent errno beside another's transient one
+        return PERMANENT
     errnos = [n for n in (errno_of(e) for e in chain) if n is not None]
     if errnos:
         return TRANSIENT if all(n in TRANSIENT_ERRNOS for n in errnos) else PERMANENT

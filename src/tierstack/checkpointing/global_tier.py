@@ -27,6 +27,7 @@ from tierstack.checkpointing import (
     safe_load,
 )
 from tierstack.checkpointing import state as ckpt_state
+from tierstack.checkpointing import rewind
 from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, SaveEvent, TrainingObjects
@@ -368,9 +369,8 @@ class GlobalTier(StagedTier):
         """This rank's share of the file checks (sizes and checksums, split over ranks); the rank whose
         share holds the pickled files (``.metadata``, a legacy ``common.pt``) also reads them with the
         allow-list of :mod:`safe_load`, so a resume never unpickles code a checkpoint brings."""
-        names = sorted(cand.manifest["files"])
-        mine = names[_dist.rank():: _dist.world_size()]
-        return manifest.check_files(cand.path, cand.manifest["files"], mine) or safe_load.problem(cand.path, mine)
+        names = manifest.share(cand.manifest["files"], _dist.rank(), _dist.world_size())
+        return manifest.check_files(cand.path, cand.manifest["files"], names) or safe_load.problem(cand.path, names)
 
     def prepare_resume(self, run_id: str) -> None:
         """Nothing to fetch: a GLOBAL checkpoint is on shared storage."""
@@ -387,14 +387,17 @@ class GlobalTier(StagedTier):
             target = paths.quarantine(cand.path, reason)
             log.warning("GLOBAL checkpoint %s is invalid (%s): moved to %s", cand.path, reason, target.name)
 
+    def rewind(self, step: int, run_id: str) -> Optional[list[int]]:
+        """Rank 0 renames the newer directories (:func:`rewind.move_aside_global`); None when the
+        load root is not the save root (not this run's to change)."""
+        if self.load_root is None or self.load_root != self.save_root:
+            return None
+        return rewind.move_aside_global(self.load_root, self.candidates(run_id), step)
+
     def load(self, step: int, objs: TrainingObjects) -> str:
         """Collective: restore ``objs`` from step ``step`` of the load root (see :class:`GlobalReader`)."""
         return self._reader.load(self.load_root, step, objs)
 
-    def close(self) -> None:
-        """Collective: publish (or fail) the save in flight, stop the writer, free the buffers, and
-        drop the writer's result queue."""
-        try:
-            super().close()
-        finally:
-            global_writer.shutdown_results_channel()
+    def _on_close(self) -> None:
+        """After the writer stopped (:meth:`close` and :meth:`close_alone`): drop its result queue."""
+        global_writer.shutdown_results_channel()

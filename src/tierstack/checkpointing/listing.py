@@ -121,7 +121,7 @@ def _global_rows(root: Path, checksums: bool) -> tuple[list[tuple], dict[int, di
         step = paths.parse_step_dir(d.name)
         man = paths.read_json(d / paths.MANIFEST)
         if step is None:  # leftover of an interrupted save, or quarantined: listed, not a checkpoint
-            kind = "leftover" if paths.is_leftover(d.name) else "quarantined" if ".invalid-" in d.name else "other"
+            kind = "leftover" if paths.is_leftover(d.name) else paths.aside_kind(d.name) or "other"
             entries.append((d.name.split(".")[0][5:].lstrip("0") or "0", 0, 0, kind, man, d.name, kind))
             continue
         problem = manifest.check_manifest(man, step=step)
@@ -211,7 +211,7 @@ def _local_rows(root: Path, checksums: bool) -> list[tuple]:
             problems.append(f"only {len(entries)} of {len(ranks)} ranks")
         rows.append(_row("local", step, size, len(entries), "; ".join(problems) or None, man, where))
     for f in leftovers:
-        kind = "quarantined" if ".invalid-" in f.name else "leftover"
+        kind = paths.aside_kind(f.name) or "leftover"
         step = paths.parse_local_name(f.name)
         rows.append(_row("local", step[0] if step else "-", 0, 1, kind, None, f"{f.parent.name}/{f.name}", kind))
     return rows + _replica_rows(root / REPLICAS_DIR, checksums)
@@ -298,7 +298,7 @@ def _report(path: Path, checksums: bool) -> tuple[str, int]:
     others = len(rows) - replicas - sum(1 for r in rows if r[4] in ("yes", "NO"))
     lines.append(f"{len(rows) - others - replicas} checkpoint(s), {bad} invalid"
                  + (f"; {replicas} step(s) of valid replicas kept for other nodes" if replicas else "")
-                 + (f"; {others} leftover/quarantined (not checkpoints; the next save cleans leftovers)" if others else "")
+                 + (f"; {others} leftover/quarantined/rewound (not checkpoints; the next save cleans leftovers)" if others else "")
                  + ("" if checksums else " (sizes only; `verify` checks checksums)"))
     lines += [f"DISAGREE: {p}" for p in disagree]
     return "\n".join(lines), (1 if bad or disagree else 0)

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional
 
 from tierstack.checkpointing import compat, errors, local_exchange, local_file, local_replicas, manifest, model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
+from tierstack.checkpointing import rewind
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import CheckpointConfig
@@ -361,6 +362,13 @@ class LocalTier(StagedTier):
             if p.exists():
                 paths.quarantine(p, reason)
         log.info("LOCAL checkpoint step %d: rank %d's files quarantined (%s)", cand.step, self.layout.rank, reason)
+
+    def rewind(self, step: int, run_id: str) -> Optional[list[int]]:
+        """This rank's newer files and the replicas it keeps of them (:func:`rewind.move_aside_local`)."""
+        if self.root is None:
+            return None
+        return rewind.move_aside_local(self.rank_dir, self.candidates(run_id), step, run_id,
+                                       self._replication)
 
     def load(self, step: int, objs: TrainingObjects) -> str:
         c = self.cfg

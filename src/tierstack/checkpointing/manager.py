@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import compat, intervals, selection
-from tierstack.checkpointing.best import BestRecords, resolve_pretrained
+from tierstack.checkpointing import closing, intervals, resuming
+from tierstack.checkpointing.best import BestRecords
 from tierstack.checkpointing.nonfinite_guard import NonFiniteGuard
-from tierstack.checkpointing import family as run_family
-from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.global_tier import GlobalTier
 from tierstack.checkpointing.local_tier import LocalTier
 from tierstack.checkpointing.types import (
@@ -29,6 +26,7 @@ from tierstack.checkpointing.types import (
     TrainingObjects,
 )
 from tierstack.config import CheckpointConfig
+from tierstack.errors import raised_on_every_rank
 from tierstack.runtime import ParallelLayout
 from tierstack.runtime import collectives as _dist
 
@@ -37,6 +35,8 @@ log = logging.getLogger(__name__)
 
 class CheckpointSaveError(RuntimeError):
     """A save failed on some rank and ``checkpoint.exit_on_save_failure`` is set."""
+
+    raised_on_every_rank = True  # from the failure lists every rank holds alike
 
 
 def build_tiers(
@@ -141,47 +141,13 @@ class CheckpointManager:
         return _dist.bounded(self.cfg.collective_timeout_s)
 
     def _resume(self, objs: TrainingObjects) -> Optional[ResumeInfo]:
-        t0 = time.perf_counter()
-        handlers = list(self._tiers.values())
-        family = run_family.decide(handlers)
-        if family is None:  # a new run: nothing in any tier is ours
-            return self._fresh_start(objs, selection.Selection(), None)
-        for handler in handlers:  # a fresh selection on every start: nothing cached from a previous attempt
-            handler.prepare_resume(family)
-        chosen = selection.select(handlers, family=family, ckpt_step=self.cfg.ckpt_step, io_wait_s=self.cfg.async_write_timeout_s)
-        if chosen.handler is None:
-            return self._fresh_start(objs, chosen, family)
-        where = f"{chosen.handler.tier.value.upper()} step {chosen.step} ({chosen.handler.run_root})"
-        compat.check(chosen.manifest, self.run_config, where)  # before any load: every difference at once
-        path = chosen.handler.load(chosen.step, objs)
-        objs.train_state.resumed_from = list(objs.train_state.resumed_from) + [chosen.step]
-        info = ResumeInfo(chosen.handler.tier, chosen.step, path, time.perf_counter() - t0)
-        self._last_saved[chosen.handler.tier] = chosen.step
-        for planner in self._planners.values():  # "auto" intervals count from the resumed step
-            planner.last_save_step = chosen.step
-        if _dist.rank() == 0:
-            log.info("resumed from %s checkpoint of step %d at %s in %.2fs (run %s)",
-                     info.tier.value, info.step, path, info.seconds, objs.train_state.run_id)
+        info = resuming.resume(self.cfg, self.layout, list(self._tiers.values()), objs, run_config=self.run_config,
+                               pretrained_source=self._pretrained_source)
+        if info is not None:
+            self._last_saved[info.tier] = info.step
+            for planner in self._planners.values():  # "auto" intervals count from the resumed step
+                planner.last_save_step = info.step
         return info
-
-    def _fresh_start(self, objs: TrainingObjects, chosen: selection.Selection, family: Optional[str]) -> None:
-        c = self.cfg
-        same_run = run_family.check_fresh_start(c, chosen, list(self._tiers.values()), family)
-        run_id = family if same_run and family else _dist.broadcast_object(uuid.uuid4().hex[:12])
-        objs.train_state.run_id = run_id
-        # Claim the tier roots for this run now, so a crash before the first GLOBAL save still
-        # leaves LOCAL checkpoints of a recognisable family.
-        for handler in self._tiers.values():
-            handler.claim(run_id)
-        _dist.barrier()
-        if c.pretrained_checkpoint:
-            path = resolve_pretrained(c.pretrained_checkpoint)  # `<root>:best`: the best tracker's step
-            if self._pretrained_source is not None:
-                path = self._pretrained_source(path)
-            GlobalReader(c, self.layout).load_pretrained(path, objs, run_config=self.run_config)
-        if _dist.rank() == 0:
-            log.info("no checkpoint to resume from: fresh start, run %s", run_id)
-        return None
 
     # ------------------------------------------------------------------ save
     def observe_step(self, objs: TrainingObjects, result) -> None:
@@ -378,20 +344,20 @@ class CheckpointManager:
             handler.wait_retention()
         self._raise_if_failed(blocked)
 
-    def close(self) -> None:
+    def close(self, error: Optional[BaseException] = None) -> None:
         """Collective: finalize every in-flight save and stop every writer, each tier even when
         another one's close raised (the first such error is raised after all are closed); then
-        :class:`CheckpointSaveError` if a save failed and ``exit_on_save_failure`` is set. Idempotent."""
+        :class:`CheckpointSaveError` if a save failed and ``exit_on_save_failure`` is set. Idempotent.
+        With ``error``, the error the run unwinds from, when it is not raised on every rank alike
+        (:func:`~tierstack.errors.raised_on_every_rank`): not collective, nothing raised
+        (:func:`~tierstack.checkpointing.closing.close_alone`)."""
         if self._closed:
             return
         self._closed = True
-        errors: list[BaseException] = []
+        if error is not None and not raised_on_every_rank(error):
+            return closing.close_alone(self._tiers.values(), error)
         with self._bounded():
-            for handler in self._tiers.values():
-                try:
-                    handler.close()
-                except Exception as e:  # noqa: BLE001 - re-raised below, after every tier is closed
-                    errors.append(e)
+            errors = closing.close_each(self._tiers.values())
         blocked = self._take_blocked()  # vetoes first: no retention of a step another tier blocked
         for handler in self._tiers.values():  # after the collectives: a rank deleting longer stalls no other
             handler.close_retention()

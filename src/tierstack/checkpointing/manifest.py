@@ -157,6 +157,19 @@ def write_manifest(path: Path, manifest: dict) -> None:
     paths.atomic_write_json(Path(path), manifest)
 
 
+def share(names: Iterable[str], rank: int, world_size: int) -> list[str]:
+    """The files of a shared (GLOBAL) checkpoint that ``rank`` checks at resume: the ranks split the
+    reading of a big checkpoint, and their shares cover every name exactly once (round robin over
+    the sorted names, so every rank computes the same split without a collective).
+
+    Raises:
+        ValueError: ``rank`` is not in ``[0, world_size)``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of {world_size} ranks")
+    return sorted(names)[rank::world_size]
+
+
 def check_files(root: Path, files: dict[str, dict], names: Optional[Iterable[str]] = None,
                 checksums: bool = True) -> Optional[str]:
     """First problem found with the listed files (missing, size, checksum), or None when whole.

@@ -51,6 +51,8 @@ class NonFiniteError(RuntimeError):
     """``checkpoint.on_nonfinite=stop`` and non-finite values were found on some rank: at a
     boundary (the interval's flags) or when a save ended (its staged state)."""
 
+    raised_on_every_rank = True  # the guard's verdict is agreed by all ranks before it is raised
+
 
 class NonFiniteStateError(RuntimeError):
     """Raised on a writer thread: the state staged for a save holds NaN or inf on this rank; nothing

@@ -254,14 +254,21 @@ def write_run_file(root: Path, run_id: str) -> None:
     atomic_write_json(root / RUN_FILE, {"run_id": run_id, "written_unix": time.time()})
 
 
-def quarantine(path: Path, reason: str) -> Path:
-    """Rename ``path`` out of the candidate namespace (``<name>.invalid-<reason>``); never deletes."""
+def quarantine(path: Path, reason: str, kind: str = "invalid") -> Path:
+    """Rename ``path`` out of the candidate namespace (``<name>.<kind>-<reason>``); never deletes.
+    ``kind`` "invalid": quarantined (a budget of them is kept, retention removes the oldest);
+    "rewound": the abandoned timeline of a rewind (``checkpoint.ckpt_step``), never removed by us."""
     path = Path(path)
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", reason)[:40].strip("-") or "unknown"
-    target = path.with_name(f"{path.name}.invalid-{slug}")
+    target = path.with_name(f"{path.name}.{kind}-{slug}")
     n = 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}.invalid-{slug}-{n}")
+        target = path.with_name(f"{path.name}.{kind}-{slug}-{n}")
     os.rename(path, target)
     return target
+
+
+def aside_kind(name: str) -> Optional[str]:
+    """"quarantined", "rewound" (see :func:`quarantine`) or None for a name not moved aside."""
+    return "quarantined" if ".invalid-" in name else "rewound" if ".rewound-" in name else None

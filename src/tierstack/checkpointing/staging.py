@@ -22,8 +22,6 @@ background write, which is what a writer costs training either way.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -32,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from tierstack import runtime
+from tierstack.checkpointing.writer_thread import WriterThread as _WriterThread
 
 log = logging.getLogger(__name__)
 
@@ -39,40 +38,6 @@ log = logging.getLogger(__name__)
 class WriterTimeout(RuntimeError):
     """A tier's writer thread was still running on some rank ``checkpoint.async_write_timeout_s``
     seconds into a blocking wait (the same error on every rank)."""
-
-
-class _WriterThread:
-    """One daemon thread running submitted jobs in order, each with its ``Future``.
-
-    A daemon thread rather than ``ThreadPoolExecutor``'s: a thread cannot be killed, and the pool's
-    threads are joined at interpreter exit, so one stuck in a write (a hung file system) would keep
-    the process from ever exiting. :meth:`Stager.close` still joins a healthy writer.
-    """
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as e:  # handed to whoever finalizes the save
-                future.set_exception(e)
-
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn, args, kwargs))
-        return future
-
-    def shutdown(self, wait: bool) -> None:
-        self._jobs.put(None)
-        if wait:
-            self._thread.join()
 
 
 class Stager:
@@ -151,9 +116,14 @@ class Stager:
             self._executor.shutdown(wait=False)
         self._executor, self._buffers, self._signature, self._job = None, [], None, None
 
-    def close(self) -> None:
-        """Wait for the writer, stop its thread, free the buffers. Idempotent."""
-        self.wait_released()
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Wait for the writer (at most ``timeout_s`` seconds; None: as long as it runs), stop its
+        thread, free the buffers. A writer still running after ``timeout_s`` (a hung file system,
+        after a failed finalize) is left behind as :meth:`abandon` does, and logged. Idempotent."""
+        if self._job is not None and not wait_futures([self._job], timeout=timeout_s).done:
+            log.warning("%s writer still running after %.0f s at close (a hung file system?); left behind",
+                        self.name, timeout_s)
+            self.abandon()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -381,8 +351,32 @@ class StagedTier:
 
     def close(self) -> None:
         """Collective: finalize the save in flight (blocking), then stop the writer and free the
-        buffers. Retention is not waited for here (:meth:`close_retention`, after every collective)."""
+        buffers; a writer still running ``checkpoint.async_write_timeout_s`` after that (finalize
+        raised: a peer is gone) is left behind. Retention is not waited for here
+        (:meth:`close_retention`, after every collective)."""
         try:
             self.finalize(blocking=True)
         finally:
-            self._stager.close()
+            try:
+                self._stager.close(self._write_timeout_s)
+            finally:
+                self._on_close()
+
+    def close_alone(self) -> None:
+        """Not collective: close on a rank that unwinds from an error of its own, which the other
+        ranks did not agree to (they may be in a training collective, or gone). The save in flight
+        is abandoned unpublished (its files are leftovers that a later save or resume removes) and
+        its writer is not waited for."""
+        from tierstack.runtime import collectives
+
+        if self._in_flight is not None:
+            log.warning("%s save of step %d abandoned on rank %d: this rank is stopping on an error of its own "
+                        "and publishing needs every rank", self._stager.name, self._in_flight.step, collectives.rank())
+            self._in_flight = None
+        try:
+            self._stager.close(timeout_s=0)
+        finally:
+            self._on_close()
+
+    def _on_close(self) -> None:
+        """A tier's own cleanup once its writer is stopped (both closes); none by default."""

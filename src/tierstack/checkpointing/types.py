@@ -113,6 +113,13 @@ class CheckpointTierHandler(Protocol):
         the next save of the tier to remove (not collective)."""
         ...
 
+    def rewind(self, step: int, run_id: str) -> Optional[list[int]]:
+        """After a resume at ``step`` by ``checkpoint.ckpt_step``: move this rank's checkpoints of
+        ``run_id`` newer than ``step`` aside (``.rewound-to-<step>``, never deleted) and
+        return their steps; None when the tier resumed from a root it does not save to (left
+        alone). Not collective."""
+        ...
+
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
         """This rank's view of the tier's checkpoints of ``run_id`` (header checks; no quarantine; not collective)."""
         ...
@@ -191,4 +198,9 @@ class CheckpointTierHandler(Protocol):
 
     def close(self) -> None:
         """Finalize the save in flight (blocking), stop the writer thread, free the staging buffers."""
+        ...
+
+    def close_alone(self) -> None:
+        """Not collective: on a rank unwinding from its own error, abandon the save in flight
+        unpublished and stop the writer without waiting for it."""
         ...

@@ -30,6 +30,8 @@ BEST_METRICS = {"val_loss": True}
 ON_NONFINITE = ("stop", "skip")  # checkpoint.on_nonfinite
 TOKENIZER_TYPES = ("byte", "huggingface")
 LOG_FORMATS = ("tierstack", "megatron")  # logger.format
+# train.exit_signal: signals a rank can catch that no launcher or library here uses for something else
+_EXIT_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGALRM"})
 
 
 @dataclass(kw_only=True)
@@ -42,6 +44,9 @@ class TrainConfig(_Section):
     eval_interval: Optional[int] = 50  # iterations between validation runs; None = never
     eval_iters: int = 4  # global batches per validation run
     exit_interval: Optional[int] = None  # stop (after checkpointing) when iteration % this == 0
+    # A signal that asks for the planned exit (checkpoint, then stop) like SIGTERM, sent ahead of
+    # it: SLURM's `--signal=USR1@120`. Our launcher forwards it to the ranks; null = none.
+    exit_signal: Optional[str] = "SIGUSR1"
 
     def problems(self) -> list[str]:
         p = _at_least("train", self, ("train_iters", "micro_batch_size", "global_batch_size"))
@@ -49,6 +54,8 @@ class TrainConfig(_Section):
             p.append("train.eval_interval must be >= 1 or null")
         if self.eval_iters < 0:
             p.append("train.eval_iters must be >= 0")
+        if self.exit_signal is not None and self.exit_signal not in _EXIT_SIGNALS:
+            p.append(f"train.exit_signal={self.exit_signal!r}: use one of {sorted(_EXIT_SIGNALS)}, or null")
         return p
 
 

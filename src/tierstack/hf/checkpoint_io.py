@@ -159,8 +159,10 @@ def save_global(cfg: ConfigContainer, objs, save_root: Path) -> Path:
     manager = CheckpointManager(ckpt, runtime.current_layout(), run_config=run.to_dict())
     try:
         manager.save(CheckpointTier.GLOBAL, objs)
-    finally:
-        manager.close()
+    except BaseException as e:
+        manager.close(e)  # not collective unless every rank raised it alike
+        raise
+    manager.close()
     path = Path(save_root) / ckpt_paths.step_dir_name(objs.train_state.step)
     if not (path / ckpt_paths.MANIFEST).is_file():
         raise RuntimeError(f"GLOBAL checkpoint {path} was not published (see the log above)")

@@ -97,9 +97,12 @@ def run(
             print(f"dry run: the config is valid for {world_size} rank(s); nothing was built or started", flush=True)
         return 0
     if nproc is not None:
+        from tierstack.resiliency.signals import planned_exit_grace_s
+
         file_args = ["--config-file", known.config_file] if known.config_file else []
         return launch([*(rank_command or [sys.argv[0]]), *file_args, *overrides], nproc_per_node=nproc,
-                      max_restarts=known.max_restarts or 0)
+                      max_restarts=known.max_restarts or 0, shutdown_grace_s=planned_exit_grace_s(config),
+                      exit_signal=config.train.exit_signal)
     from tierstack.training.pretrain import pretrain
 
     try:
@@ -198,6 +201,7 @@ def _show(config: ConfigContainer, config_fn: Callable[[], ConfigContainer], kno
     return 0
 
 
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun forwards to the ranks by default
 REFUSAL_GRACE_S = 30.0  # how long a rank other than 0 waits for rank 0 to print a config error
 
 
@@ -243,7 +247,8 @@ def _exit_with_the_other_ranks(status: int) -> None:
     os._exit(status)
 
 
-def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0) -> int:
+def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0,
+           shutdown_grace_s: Optional[int] = None, exit_signal: Optional[str] = None) -> int:
     """Start ``nproc_per_node`` ranks of ``command`` on this machine with torchrun's own launcher.
 
     The rendezvous is torchrun's ``--standalone`` one (a c10d store on a port the OS picks at bind
@@ -259,6 +264,12 @@ def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0
             ``<logger.run_dir>/restarts.json``). With restarts the ranks host their own rendezvous
             store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless set), so that no restarted rank
             reads a peer's address from before the restart.
+        shutdown_grace_s: how long torchrun waits for the ranks after forwarding a stop signal
+            before it SIGKILLs them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, torchrun's default 30 s,
+            unless set): what a planned exit's checkpoint needs
+            (:func:`~tierstack.resiliency.signals.planned_exit_grace_s`).
+        exit_signal: a signal (``"SIGUSR1"``) torchrun forwards to the ranks besides its own
+            (SIGTERM, SIGINT, SIGHUP, SIGQUIT): the early warning that asks for a planned exit.
 
     Returns:
         0 when every rank succeeded; else the first failed rank's exit status (1 for a signal),
@@ -275,8 +286,11 @@ def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)  # its rendezvous INFO lines
     if max_restarts:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if shutdown_grace_s is not None:  # torchrun's 30 s would SIGKILL a planned exit's save
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(shutdown_grace_s)))
+    forwarded = ["--signals-to-handle", f"{TORCHRUN_SIGNALS},{exit_signal}"] if exit_signal else []
     args = parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node),
-                       "--max-restarts", str(max_restarts), *command])
+                       "--max-restarts", str(max_restarts), *forwarded, *command])
     try:
         torchrun(args)
     except ChildFailedError as exc:

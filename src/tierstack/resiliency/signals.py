@@ -13,17 +13,27 @@ log = logging.getLogger(__name__)
 
 
 class ExitRequest:
-    """Records SIGTERM (the scheduler's pre-emption notice) or SIGHUP (the launcher died, see
-    :func:`stop_with_the_launcher`) and lets all ranks agree on it.
+    """Records SIGTERM (the scheduler's pre-emption notice), SIGHUP (the launcher died, see
+    :func:`stop_with_the_launcher`) or the early-warning signal (``train.exit_signal``, e.g. the
+    SIGUSR1 of SLURM's ``--signal=USR1@120``) and lets all ranks agree on it.
 
     The handler only sets a flag; :meth:`agreed` runs one all-reduce at a step boundary, so every
     rank stops after the same step and the GLOBAL checkpoint taken then is complete.
-    A second signal restores the default handler, so a third one kills the process as usual.
+    A second SIGTERM restores the default handler, so a third one kills the process as usual;
+    SIGHUP and the early-warning signal are counted once, however often they come.
+
+    Args:
+        signals: the signals that always ask for a planned exit.
+        early_warning: a signal name (``"SIGUSR1"``) that asks for it too; None: none.
     """
 
-    def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGHUP)):
+    def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGHUP), early_warning: Optional[str] = None):
         self._requested: Optional[str] = None
         self._previous = {}
+        self._once = {signal.SIGHUP}
+        if early_warning is not None:
+            self._once.add(signal.Signals[early_warning])
+            signals = (*signals, signal.Signals[early_warning])
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -36,6 +46,12 @@ class ExitRequest:
             if self._requested is None:
                 self._requested = "SIGHUP (the launcher is gone)"
                 log.warning("the launcher is gone (SIGHUP): will save a GLOBAL checkpoint and stop after this step")
+            return
+        if signum in self._once:  # the early warning (train.exit_signal): ahead of the scheduler's SIGTERM
+            if self._requested is None:
+                self._requested = f"{name} (train.exit_signal)"
+                log.warning("received %s (train.exit_signal): will save a GLOBAL checkpoint and stop after this "
+                            "step", name)
             return
         if self._requested is not None:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
@@ -62,6 +78,19 @@ class ExitRequest:
             except (ValueError, TypeError):
                 pass
         self._previous = {}
+
+
+def planned_exit_grace_s(config) -> int:
+    """Seconds a launcher must give the ranks between its stop signal and SIGKILL so that the
+    planned exit's checkpoint can be published: the step in progress (bounded by
+    ``distributed.timeout_s``), the wait for the save in flight and the final save's own write
+    (each bounded by ``checkpoint.async_write_timeout_s``). An upper bound: ranks that are done
+    sooner end the launch sooner.
+
+    Args:
+        config: the run's :class:`~tierstack.config.ConfigContainer`.
+    """
+    return int(2 * config.checkpoint.async_write_timeout_s + config.distributed.timeout_s)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

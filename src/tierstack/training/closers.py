@@ -23,15 +23,20 @@ def status_of(exc_type: Optional[type]) -> str:
     return "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
 
 
-def register(stack: contextlib.ExitStack, name: str, close: Callable[..., None], *, with_status: bool = False) -> None:
-    """Run ``close()`` (or ``close(status)`` when ``with_status``) when ``stack`` unwinds.
+def register(stack: contextlib.ExitStack, name: str, close: Callable[..., None], *, with_status: bool = False,
+             with_error: bool = False) -> None:
+    """Run ``close()`` (``close(status)`` when ``with_status``, ``close(error)`` with the error in
+    flight or None when ``with_error``) when ``stack`` unwinds.
 
     Raises (at unwind): the closer's own error, only when no other error is in flight.
     """
 
     def _exit(exc_type, exc, tb) -> bool:
         try:
-            close(status_of(exc_type)) if with_status else close()
+            if with_status:
+                close(status_of(exc_type))
+            else:
+                close(exc) if with_error else close()
         except BaseException as e:  # noqa: BLE001 - logged; re-raised only if nothing else is in flight
             if exc is None:
                 raise

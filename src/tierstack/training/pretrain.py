@@ -44,7 +44,7 @@ def pretrain(
     configure_logging()
     forward_step_func = forward_step_func or gpt_forward_step
     with contextlib.ExitStack() as closers:
-        exit_request = ExitRequest()
+        exit_request = ExitRequest(early_warning=config.train.exit_signal)
         closers.callback(exit_request.restore)
         heartbeat = Heartbeat.from_environment()  # under NVRx ft_launcher only: a hung rank gets restarted
         if heartbeat is not None:

@@ -62,12 +62,17 @@ def run_reporters(s):
         history.add_resume(ts.step)
     progress = ProgressLogger(cfg.logger, total_iters=cfg.train.train_iters, start_iter=ts.step, rank=rank,
                               global_batch_size=cfg.train.global_batch_size)
+    error = None
     try:
         yield progress, history
+    except BaseException as e:  # re-raised: the close must know whether this rank unwinds alone
+        error = e
+        raise
     finally:
         progress.close()
-        # Publish in-flight async saves first, so the image marks every checkpoint of the run.
-        s.checkpoint_manager.close()
+        # Publish in-flight async saves first, so the image marks every checkpoint of the run
+        # (not with an error of this rank's own in flight: CheckpointManager.close).
+        s.checkpoint_manager.close(error)
         if rank == 0 and cfg.logger.loss_curve:
             _write_loss_curve(s, history, run_dir)
 

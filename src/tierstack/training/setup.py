@@ -206,8 +206,8 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
         pretrained_source=functools.partial(pretrained_root, cfg),  # a Hugging Face directory is imported
     )
     # Closed before the mlflow run ends (the final save's listener logs to it) and before the
-    # process groups go away; closing drops the GLOBAL writer's result queue.
-    register(stack, "checkpoint manager", ckpt.close)
+    # process groups go away; with an error of this rank's own in flight, without collectives.
+    register(stack, "checkpoint manager", ckpt.close, with_error=True)
     objs = TrainingObjects(model=model, optimizer=optimizer, scheduler=scheduler, train_state=train_state)
     resume_info = ckpt.resume(objs)
     if resume_info is not None:

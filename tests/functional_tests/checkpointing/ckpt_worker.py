@@ -189,9 +189,9 @@ def main():
 
     real_close = CheckpointManager.close
 
-    def spy_close(self):  # what was still being written when training ended
+    def spy_close(self, error=None):  # what was still being written when training ended
         record.setdefault("in_flight_at_close", {t.value: self.in_flight(t) for t in CheckpointTier})
-        return real_close(self)
+        return real_close(self, error)
 
     CheckpointManager.close = spy_close
 

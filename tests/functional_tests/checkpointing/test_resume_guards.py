@@ -2,6 +2,7 @@
 earlier run never leads to a silent fresh start, and a checkpoint without RNG state says so."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,45 @@ def test_resume_without_saved_rng_says_so_once(tmp_path):
     rc, log, recs = run(tmp_path / "b", "train.train_iters=3", f"checkpoint.save={g}")
     assert rc == 0 and recs[0]["resume"]["step"] == 2, log[-4000:]
     assert log.count("saved with checkpoint.save_rng=false: RNG state not restored") == 1, log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_deleted_best_checkpoint_and_load_optim_false_are_said_once(tmp_path):
+    """A best record naming a checkpoint deleted by hand is reported once at resume and dropped;
+    ``load_optim=false`` says once, on rank 0, that the optimizer state was not loaded."""
+    g = tmp_path / "global"
+    best_args = (f"checkpoint.save={g}", "checkpoint.save_interval=3", "checkpoint.keep_best_k=2")
+    rc, log, recs = run(tmp_path / "a", "train.train_iters=9", *best_args)
+    assert rc == 0, log[-4000:]
+    records = recs[0]["train_state"]["best_checkpoints"]
+    victim = next(int(s) for s, _ in records if int(s) != 9)  # a record that is not the step resumed
+    shutil.rmtree(g / f"iter_{victim:07d}")
+    rc, log, recs = run(tmp_path / "b", "train.train_iters=10", "checkpoint.load_optim=false", *best_args)
+    assert rc == 0 and recs[0]["resume"]["step"] == 9, log[-4000:]
+    assert log.count(f"best record step {victim} (val_loss") == 1, log[-4000:]
+    assert victim not in [int(s) for s, _ in recs[0]["train_state"]["best_checkpoints"]]
+    assert log.count("checkpoint.load_optim=false: the optimizer state of GLOBAL step 9") == 1, log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_damaged_global_file_is_found_by_the_rank_whose_share_holds_it(tmp_path):
+    """Each rank checks its share of a GLOBAL step's files: a damaged file in either rank's share
+    refuses the step, naming the file and that rank, and the run falls back to the step before."""
+    from tierstack.checkpointing import manifest
+
+    pristine = tmp_path / "pristine"
+    rc, log, _ = run(tmp_path / "a", "train.train_iters=4", f"checkpoint.save={pristine}", "checkpoint.save_interval=2")
+    assert rc == 0, log[-4000:]
+    files = json.loads((pristine / "iter_0000004" / "manifest.json").read_text())["files"]
+    for rank in (0, 1):
+        g = tmp_path / f"global{rank}"
+        shutil.copytree(pristine, g)
+        victim = manifest.share(files, rank, 2)[0]
+        data = bytearray((g / "iter_0000004" / victim).read_bytes())
+        data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+        (g / "iter_0000004" / victim).write_bytes(bytes(data))
+        rc, log, recs = run(tmp_path / f"b{rank}", "train.train_iters=5", f"checkpoint.save={g}")
+        assert rc == 0 and recs[0]["resume"]["step"] == 2, log[-4000:]
+        assert f"global checkpoint of step 4 failed its check on rank {rank} (checksum-mismatch {victim})" in log, \
+            log[-4000:]
+        assert f"moved to iter_0000004.invalid-checksum-mismatch-rank{rank}" in log, log[-4000:]

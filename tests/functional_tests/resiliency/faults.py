@@ -9,7 +9,7 @@ touches a path matching its glob::
 ``op``: ``write`` (open for writing: ``open`` or ``os.open`` with a write flag), ``read`` (open for reading), ``rename`` (os.rename/os.replace,
 source or target), ``remove`` (shutil.rmtree, os.unlink, os.remove), ``kill`` / ``stop`` (SIGKILL /
 SIGSTOP of the rank on a write-open: a rank that dies / hangs). ``times``: 1 fires once (transient: the retry then succeeds), -1 every time
-(permanent). ``if_exists``: a glob that must match an existing path (e.g. the staging directory
+(permanent). ``sleep``: seconds the operation waits before it goes on (a slow file system; no error). ``if_exists``: a glob that must match an existing path (e.g. the staging directory
 of one step, to hit the tracker write of that step's publish). The hooks are installed into ``builtins.open``, ``io.open``, ``os`` and ``shutil`` at
 interpreter start by ``sitecustomize`` (this folder's ``inject/`` on ``PYTHONPATH``), so they reach
 every process of a rank: forked writer processes and spawned ones alike. ``RANK`` comes from
@@ -72,6 +72,9 @@ def _check(op: str, *paths) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if want == "stop":  # the rank hangs; a writer process of it fails and exits as usual
                 os.kill(_RANK_PID, signal.SIGSTOP)
+            if "sleep" in fault:  # a slow file system: the operation waits, then goes on
+                time.sleep(float(fault["sleep"]))
+                continue
             n = getattr(errno_mod, fault["errno"])
             raise OSError(n, os.strerror(n), os.fspath(p))
 

@@ -56,6 +56,7 @@ def main() -> None:
     inf_grad_at = int(os.environ.get("TIERSTACK_TEST_INF_GRAD_AT", "0"))  # gradients the optimizer applies
     inf_loss_at = int(os.environ.get("TIERSTACK_TEST_INF_LOSS_AT", "0"))  # the loss report only (transient)
     inf_param_at = int(os.environ.get("TIERSTACK_TEST_INF_PARAM_AT", "0"))  # a parameter, after the step's update
+    raise_at = int(os.environ.get("TIERSTACK_TEST_RAISE_AT", "0"))  # an error of rank 1's own, in that step's forward
     # Validation loss goes down, then up: from this step on, each step adds noise to the weights.
     noise_from = int(os.environ.get("TIERSTACK_TEST_NOISE_FROM", "0"))
     rank = int(os.environ.get("RANK", "0"))  # a plain `python` launch is a 1-rank run
@@ -107,6 +108,8 @@ def main() -> None:
         if "model" not in captured and inf_grad_at:
             inject_inf_grad(model)
         captured["model"] = model
+        if captured["done"] + 1 == raise_at and rank == 1 and model.training:
+            raise RuntimeError(f"injected: an error of rank 1 only, in the forward of step {raise_at}")
         output, loss_func = gpt_forward_step(data_iterator, model)
         if captured["done"] + 1 != inf_loss_at or rank != 1 or not model.training:
             return output, loss_func

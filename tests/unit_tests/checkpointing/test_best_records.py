@@ -90,3 +90,58 @@ def test_publish_writes_the_best_tracker_with_the_latest_ones_and_a_refused_publ
     with pytest.raises(FileExistsError):
         publish_step(tmp_path, 8, staging, {"step": 8, "best_checkpoints": [[8, 0.5]]}, "r1")
     assert (tmp_path / TRACKER_BEST).read_text() == "6\n" and (tmp_path / paths.TRACKER_ITERATION).read_text() == "6\n"
+
+
+def _objs(records):
+    from tierstack.checkpointing import TrainingObjects
+    from tierstack.train_state import TrainState
+
+    ts = TrainState()
+    ts.best_checkpoints = [list(r) for r in records]
+    return TrainingObjects(model=[], optimizer=None, scheduler=None, train_state=ts)
+
+
+def test_a_best_record_naming_a_deleted_checkpoint_is_reported_once_and_repaired(tmp_path, caplog):
+    from tierstack.checkpointing.best import TRACKER_BEST
+    from tierstack.checkpointing.resuming import repair_best_records
+    from tierstack.config import CheckpointConfig
+
+    for step in (4, 8):
+        _global_dir(tmp_path, step)
+    (tmp_path / TRACKER_BEST).write_text("6\n")  # step 6, the best, was deleted by hand
+    objs = _objs([[6, 1.5], [4, 2.0], [2, 2.5]])
+    cfg = CheckpointConfig(save=str(tmp_path), keep_best_k=3)
+    with caplog.at_level("WARNING"):
+        dropped = repair_best_records(cfg, objs)
+    assert dropped == [[6, 1.5], [2, 2.5]]
+    assert objs.train_state.best_checkpoints == [[4, 2.0]]
+    assert (tmp_path / TRACKER_BEST).read_text() == "4\n"
+    for step, value in ((6, 1.5), (2, 2.5)):
+        assert caplog.text.count(f"best record step {step} (val_loss {value:g}) names") == 1
+    caplog.clear()
+    assert repair_best_records(cfg, objs) == [] and "best record" not in caplog.text  # repaired: once
+
+
+def test_no_best_record_left_removes_the_best_tracker(tmp_path):
+    from tierstack.checkpointing.best import TRACKER_BEST
+    from tierstack.checkpointing.resuming import repair_best_records
+    from tierstack.config import CheckpointConfig
+
+    (tmp_path / TRACKER_BEST).write_text("6\n")
+    objs = _objs([[6, 1.5]])
+    assert repair_best_records(CheckpointConfig(save=str(tmp_path), keep_best_k=2), objs) == [[6, 1.5]]
+    assert objs.train_state.best_checkpoints == [] and not (tmp_path / TRACKER_BEST).exists()
+
+
+def test_a_best_tracker_naming_a_step_that_is_gone_is_repaired_from_the_records(tmp_path, caplog):
+    """After a rewind the tracker of the abandoned timeline names a step moved aside."""
+    from tierstack.checkpointing.best import TRACKER_BEST
+    from tierstack.checkpointing.resuming import repair_best_records
+    from tierstack.config import CheckpointConfig
+
+    _global_dir(tmp_path, 4)
+    (tmp_path / TRACKER_BEST).write_text("40\n")
+    objs = _objs([[4, 2.0]])
+    with caplog.at_level("WARNING"):
+        assert repair_best_records(CheckpointConfig(save=str(tmp_path), keep_best_k=2), objs) == []
+    assert (tmp_path / TRACKER_BEST).read_text() == "4\n" and "names step 40, which does not exist" in caplog.text

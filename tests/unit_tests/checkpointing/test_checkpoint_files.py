@@ -293,3 +293,15 @@ def test_ls_marks_best_and_top_k_and_verify_checks_trackers_records_and_director
     (tmp_path / paths.TRACKER_ITERATION).write_text("40\n")  # a tracker naming no checkpoint
     text, status = listing.verify(str(tmp_path))
     assert status == 1 and "DISAGREE: latest_checkpointed_iteration.txt names '40', which is not a valid" in text
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("n_files", [0, 1, 5, 16, 37])
+def test_the_ranks_verification_shares_cover_every_file_exactly_once(world_size, n_files):
+    names = [f"__{i}_0.distcp" for i in range(n_files)] + ["common.pt", "metadata.json"]
+    shares = [manifest.share(reversed(names), r, world_size) for r in range(world_size)]  # order of the manifest: any
+    flat = [n for s in shares for n in s]
+    assert sorted(flat) == sorted(names)  # every file, none twice
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1  # balanced
+    with pytest.raises(ValueError, match="rank 2 is not one of 2 ranks"):
+        manifest.share(names, 2, 2)

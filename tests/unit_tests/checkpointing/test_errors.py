@@ -70,3 +70,48 @@ def test_rank0_write_errors_are_deferred_and_rerun():
     assert calls == [1, "went on"] and len(pending.calls) == 1
     pending.rerun()
     assert calls == [1, "went on", 1] and not pending.calls
+
+
+def _raised(outer: BaseException, *, cause: BaseException = None, context: BaseException = None) -> BaseException:
+    """``outer`` as Python leaves it when raised ``from cause`` or while handling ``context``."""
+    try:
+        if context is not None:
+            try:
+                raise context
+            except BaseException:
+                raise outer
+        raise outer from cause
+    except BaseException as e:
+        return e
+
+
+EIO, ENOSPC = (errno.EIO, "x", "/ckpt/a"), (errno.ENOSPC, "x", "/ckpt/b")
+
+
+@pytest.mark.parametrize("chain", [
+    lambda: _raised(OSError(*EIO), cause=OSError(*ENOSPC)),
+    lambda: _raised(OSError(*ENOSPC), cause=OSError(*EIO)),
+    lambda: _raised(OSError(*EIO), context=OSError(*ENOSPC)),  # a cleanup error raised inside another
+    lambda: _raised(OSError(*ENOSPC), context=OSError(*EIO)),
+    lambda: CheckpointException("write", {0: (_worker_failure(errno.EIO), None), 1: (_worker_failure(errno.ENOSPC), None)}),
+    lambda: CheckpointException("write", {0: (_worker_failure(errno.ENOSPC), None), 1: (_worker_failure(errno.EIO), None)}),
+    # the coordinator gathered a transient error of rank 0 and a bug (no errno) of rank 1
+    lambda: CheckpointException("write", {0: (_worker_failure(errno.EIO), None), 1: (TypeError("bug"), None)}),
+    # an inner step already said "never retry", under a wrapper that keeps only a transient errno
+    lambda: _raised(RuntimeError("Worker failure"), cause=_raised(errors.NotRetryable("spent"), cause=OSError(*EIO))),
+])
+def test_any_permanent_cause_in_a_mixed_chain_makes_the_failure_permanent(chain):
+    exc = chain()
+    assert errors.classify(exc) == errors.PERMANENT
+    with pytest.raises(retry.SaveAttemptFailed) as info:
+        retry.agree(exc)
+    assert not info.value.transient
+
+
+@pytest.mark.parametrize("chain", [
+    lambda: _raised(OSError(errno.EIO, "x"), cause=OSError(errno.ESTALE, "y")),
+    lambda: _raised(OSError(errno.EAGAIN, "x"), context=OSError(errno.EINTR, "y")),
+    lambda: CheckpointException("write", {0: (_worker_failure(errno.EIO), None), 1: (_worker_failure(errno.ESTALE), None)}),
+])
+def test_a_chain_of_transient_causes_only_stays_transient(chain):
+    assert errors.classify(chain()) == errors.TRANSIENT

@@ -20,6 +20,7 @@ import torch
 from tierstack.checkpointing import CheckpointManager, CheckpointSaveError, CheckpointTier, TrainingObjects
 from tierstack.checkpointing import nonfinite_guard as guard_module
 from tierstack.config import CheckpointConfig
+from tierstack.errors import BadInputError
 from tierstack.runtime import ParallelLayout
 from tierstack.train_state import TrainState
 
@@ -104,6 +105,10 @@ class FakeTier:
         self.journal.append(("close", self.tier.value))
         if self.close_error is not None:
             raise self.close_error
+
+    def close_alone(self):
+        self.closed = True
+        self.journal.append(("close_alone", self.tier.value))
 
     retention_pending, last_durable_s = False, None
 
@@ -326,3 +331,27 @@ def test_close_waits_for_retention_only_after_every_tiers_collective_close():
     ends = [e for e in journal if e[0] in ("close", "close_retention")]
     assert ends == [("close", "local"), ("close", "global"), ("close_retention", "local"),
                     ("close_retention", "global")]
+
+
+def test_a_rank_unwinding_from_its_own_error_closes_without_collectives():
+    """An error only this rank may have (a bug, an OOM, a failed collective): no tier's collective
+    close (its finalize polls are WORLD all-reduces the other ranks never enter); nothing raised."""
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 1}, global_={"interval": 1, "fail_at": [1]},
+                               exit_on_save_failure=True)
+    objs.train_state.step = 1
+    manager.save(CheckpointTier.LOCAL, objs)
+    manager.close(error=MemoryError("this rank only"))  # the failed GLOBAL save is not raised either
+    ends = [e for e in journal if e[0] in ("close", "close_alone", "close_retention")]
+    assert ends == [("close_alone", "local"), ("close_retention", "local"), ("close_alone", "global"),
+                    ("close_retention", "global")]
+
+
+@pytest.mark.parametrize("error", [CheckpointSaveError("agreed"), guard_module.NonFiniteError("agreed"),
+                                   BadInputError("agreed")])
+def test_an_error_every_rank_raised_alike_closes_together(error):
+    journal: list = []
+    manager, objs, _, _ = make(journal, local={"interval": 1}, global_={"interval": 1})
+    run_steps(manager, objs, 1)
+    manager.close(error=error)
+    assert [e for e in journal if e[0] in ("close", "close_alone")] == [("close", "local"), ("close", "global")]

@@ -191,3 +191,35 @@ def _dicts(tree):
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             yield from _dicts(v)
+
+
+def _guard_rank(rank: int, store: str, out) -> None:
+    """One of 2 real gloo ranks: only rank 1 flags a bad step (its own loss, at the boundary step
+    itself, where no gradient all-reduce could have shown it to rank 0); both check the boundary."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        guard = NonFiniteGuard("skip")
+        _, opt = adam_after_one_step()
+        guard.observe(10, step_result(local_loss_finite=rank != 1), opt)
+        verdict = guard.check(10)
+        out.put((rank, verdict.ok, verdict.message, list(guard.bad_steps)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_only_another_ranks_row_is_bad_and_every_rank_blocks(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_guard_rank, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = {r: (ok, msg, left) for r, ok, msg, left in (out.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+    assert got[0][0] is False and got[1][0] is False  # rank 0's own flags were clean
+    assert got[0][1] == got[1][1] and got[0][1].startswith("first non-finite step 10 on rank(s) 1")
+    assert got[0][2] == got[1][2] == []  # the interval's flags are spent on both

@@ -48,3 +48,54 @@ def test_a_writer_that_ends_in_time_is_taken_with_its_outcome():
     tier._in_flight = _Job(5, tier._stager.submit(lambda: 1 / 0))
     assert isinstance(StagedTier._job_error(tier._take_ended(blocking=True)), ZeroDivisionError)
     tier._stager.close()
+
+
+class _FailingFinalize(StagedTier):
+    """A tier whose finalize raises (a peer died during the agreement) while its writer is stuck."""
+
+    def finalize(self, blocking: bool) -> None:
+        raise RuntimeError("peer gone")
+
+
+def test_close_after_a_failed_finalize_does_not_wait_forever_on_a_stuck_writer():
+    tier = _FailingFinalize("GLOBAL", write_timeout_s=0.3)
+    tier._stager.stage([torch.ones(4)])
+    never = threading.Event()
+    tier._stager.submit(never.wait)
+    outcome: list = []
+
+    def close():
+        try:
+            tier.close()
+        except RuntimeError as e:
+            outcome.append(e)
+
+    closer = threading.Thread(target=close, daemon=True)
+    t0 = time.monotonic()
+    closer.start()
+    closer.join(timeout=10)
+    try:
+        assert not closer.is_alive(), "Stager.close waited on the stuck writer past async_write_timeout_s"
+        assert 0.3 <= time.monotonic() - t0 < 10
+        assert [str(e) for e in outcome] == ["peer gone"]  # finalize's error is the one raised
+        assert tier._stager.nbytes == 0 and tier._stager.job is None
+    finally:
+        never.set()
+
+
+def test_close_alone_enters_no_collective_and_abandons_the_save_in_flight(caplog):
+    """A rank unwinding from its own error: no collective (none is initialised here, so one would
+    raise), the save in flight is dropped, never published, and the writer is not waited for."""
+    tier = StagedTier("LOCAL", write_timeout_s=30)
+    tier._stager.stage([torch.ones(4)])
+    never = threading.Event()
+    tier._in_flight = _Job(6, tier._stager.submit(never.wait))
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING"):
+        tier.close_alone()
+    try:
+        assert time.monotonic() - t0 < 5
+        assert tier.in_flight == 0 and tier._stager.job is None
+        assert "LOCAL save of step 6 abandoned" in caplog.text
+    finally:
+        never.set()

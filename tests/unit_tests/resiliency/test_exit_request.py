@@ -33,3 +33,44 @@ def test_a_second_sigterm_hands_back_the_previous_handler():
     finally:
         req.restore()
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_early_warning_signal_asks_for_the_planned_exit_once():
+    req = ExitRequest(early_warning="SIGUSR1")
+    try:
+        for _ in range(3):  # a scheduler may send it more than once; it never kills
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert req.reason == "SIGUSR1 (train.exit_signal)"
+        assert signal.getsignal(signal.SIGUSR1) == req._handle
+    finally:
+        req.restore()
+    assert signal.getsignal(signal.SIGUSR1) is not req._handle
+
+
+def test_without_an_early_warning_sigusr1_is_left_alone():
+    before = signal.getsignal(signal.SIGUSR1)
+    req = ExitRequest()
+    try:
+        assert signal.getsignal(signal.SIGUSR1) is before
+    finally:
+        req.restore()
+
+
+def test_the_launchers_grace_covers_the_planned_exits_bounded_waits():
+    from tierstack.config import ConfigContainer
+    from tierstack.resiliency.signals import planned_exit_grace_s
+
+    cfg = ConfigContainer()
+    cfg.apply_overrides(["checkpoint.async_write_timeout_s=100", "distributed.timeout_s=50"])
+    assert planned_exit_grace_s(cfg) == 250 > 30  # torchrun's default would SIGKILL the final save
+
+
+def test_an_exit_signal_that_cannot_be_used_is_refused_naming_the_field():
+    import pytest
+
+    from tierstack.config import ConfigContainer, ConfigError
+
+    cfg = ConfigContainer()
+    cfg.apply_overrides(["train.exit_signal=SIGKILL"])
+    with pytest.raises(ConfigError, match=r"train.exit_signal='SIGKILL': use one of \['SIGALRM', 'SIGUSR1'"):
+        cfg.validate(1, check_paths=False)

@@ -44,3 +44,14 @@ def test_clean_exit_finishes_and_ctrl_c_is_killed():
             register(stack, "mlflow run", statuses.append, with_status=True)
             raise KeyboardInterrupt
     assert statuses == ["FINISHED", "KILLED"]
+
+
+def test_with_error_hands_the_error_in_flight_to_the_closer():
+    got: list = []
+    with contextlib.ExitStack() as stack:
+        register(stack, "checkpoint manager", got.append, with_error=True)
+    with pytest.raises(KeyError):
+        with contextlib.ExitStack() as stack:
+            register(stack, "checkpoint manager", got.append, with_error=True)
+            raise KeyError("rank 1 only")
+    assert got[0] is None and isinstance(got[1], KeyError)
