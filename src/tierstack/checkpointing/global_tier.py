@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from tierstack.checkpointing import (
-    best, compat, errors, global_writer, manifest, model_settings, paths, publish, rank0_phases, retention, retry,
-    safe_load,
-)
+from tierstack.checkpointing import (best, compat, errors, global_writer, manifest, model_settings, paths, publish,
+                                     rank0_phases, retention, retry, safe_load)
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing import rewind
 from tierstack.checkpointing.global_reader import GlobalReader
@@ -181,7 +179,6 @@ class GlobalTier(StagedTier):
         def plan():
             global_writer.stage_sharded_tensors(sd, self._stager)
             global_writer.start_results_channel(fresh=True)  # per save: a late writer never feeds the next one
-            # No rank-0-only write here since megatron-core 0.19 (the common state is a shard): see rank0_phases.
             return dist_checkpointing.save(
                 sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True,
                 async_strategy="mcore",  # threads, no clone of the staged buffers (global_writer)
@@ -366,9 +363,7 @@ class GlobalTier(StagedTier):
                         "resume takes the newest valid checkpoint there is", tracker, named, self.load_root)
 
     def verify(self, cand: Candidate) -> Optional[str]:
-        """This rank's share of the file checks (sizes and checksums, split over ranks); the rank whose
-        share holds the pickled files (``.metadata``, a legacy ``common.pt``) also reads them with the
-        allow-list of :mod:`safe_load`, so a resume never unpickles code a checkpoint brings."""
+        """This rank's share of the file checks (sizes, checksums; pickled files through :mod:`safe_load`)."""
         names = manifest.share(cand.manifest["files"], _dist.rank(), _dist.world_size())
         return manifest.check_files(cand.path, cand.manifest["files"], names) or safe_load.problem(cand.path, names)
 

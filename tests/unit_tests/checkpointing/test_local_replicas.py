@@ -60,7 +60,17 @@ def test_the_steps_every_rank_can_obtain_newest_first():
     assert local_replicas._obtainable([[replica_id(10, 0)], []], cliques) == []
 
 
-def _write_own(root, step, rank=0, run_id="runA", payload=b"local-bytes" * 100):
+def _torch_saved(obj) -> bytes:
+    """A LOCAL file's bytes in NVRx's own format (``torch.save``), which verify and resume can read."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _write_own(root, step, rank=0, run_id="runA", payload=None):
+    payload = payload if payload is not None else _torch_saved({"step": step, "pad": "local-bytes" * 100})
     store = local_replicas.ReplicaStore(root, rank)
     ckpt, man_path = store.paths(step, rank)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

@@ -2,6 +2,7 @@
 
 
 import pytest
+import torch
 
 from tierstack.checkpointing import family, manifest, paths, selection
 from tierstack.checkpointing.global_tier import GlobalTier
@@ -34,7 +35,7 @@ def _global(root, step, run_id="runA"):
 def _local(root, step, run_id="runA", topology=None):
     d = root / "0"
     d.mkdir(parents=True, exist_ok=True)
-    (d / paths.local_file_name(step, 0)).write_bytes(b"local" * 10)
+    torch.save({"step": step}, d / paths.local_file_name(step, 0))  # NVRx's own format: verify decodes it
     man = manifest.build_manifest(tier="local", step=step, run_id=run_id, topology=topology or LAYOUT.topology(),
                                   train_state={"step": step},
                                   files=manifest.describe_files(d, [paths.local_file_name(step, 0)]))
