@@ -15,6 +15,13 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from tierstack.config.base import ConfigError, _at_least, _Section, writable_dir_problem  # noqa: F401 - ConfigError re-exported
+from tierstack.config.observability_sections import (  # noqa: F401 - re-exported: logger sections live there
+    WANDB_MODES,
+    LoggerConfig,
+    MlflowConfig,
+    ProfileConfig,
+    WandbConfig,
+)
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
     ACTIVATION_FUNCS,
     NORMALIZATIONS,
@@ -40,6 +47,9 @@ class TrainConfig(_Section):
     eval_interval: Optional[int] = 50  # iterations between validation runs; None = never
     eval_iters: int = 4  # global batches per validation run
     exit_interval: Optional[int] = None  # stop (after checkpointing) when iteration % this == 0
+    # Time budget of the job in minutes, counted from its start: the run saves GLOBAL and exits
+    # (a planned exit, status 0) when the next step and that save would pass it. None = no budget.
+    exit_duration_in_mins: Optional[float] = None
 
     def problems(self) -> list[str]:
         p = _at_least("train", self, ("train_iters", "micro_batch_size", "global_batch_size"))
@@ -47,6 +57,8 @@ class TrainConfig(_Section):
             p.append("train.eval_interval must be >= 1 or null")
         if self.eval_iters < 0:
             p.append("train.eval_iters must be >= 0")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            p.append(f"train.exit_duration_in_mins={self.exit_duration_in_mins}: must be > 0 minutes or null")
         return p
 
 
@@ -361,19 +373,6 @@ def _pretrained_problems(spec: str) -> list[str]:
 
 
 @dataclass(kw_only=True)
-class LoggerConfig(_Section):
-    """Console progress and run directory."""
-
-    run_dir: str = "runs/default"  # where logs, plots and the default mlflow store go
-    log_interval: int = 10  # iterations between rank-0 log lines
-    progress_bar: bool = True  # tqdm bar on rank 0
-    loss_curve: bool = True  # write <run_dir>/loss_curve.png at the end of the run (rank 0, matplotlib)
-
-    def problems(self) -> list[str]:
-        return _at_least("logger", self, ("log_interval",))
-
-
-@dataclass(kw_only=True)
 class RNGConfig(_Section):
     seed: int = 1234  # base seed; megatron-core offsets it per pipeline stage and TP rank
 
@@ -398,15 +397,6 @@ class StragglerConfig(_Section):
         return p
 
 
-@dataclass(kw_only=True)
-class MlflowConfig(_Section):
-    """mlflow tracking; only rank 0 talks to mlflow."""
-
-    tracking_uri: Optional[str] = None  # None = sqlite store inside logger.run_dir
-    experiment_name: str = "tierstack"
-    run_name: Optional[str] = None
-
-
 SECTION_TYPES = {
     "model": ModelConfig,
     "train": TrainConfig,
@@ -420,4 +410,6 @@ SECTION_TYPES = {
     "rng": RNGConfig,
     "straggler": StragglerConfig,
     "mlflow": MlflowConfig,
+    "wandb": WandbConfig,
+    "profile": ProfileConfig,
 }
