@@ -33,6 +33,14 @@ def _import_wandb():
     return wandb
 
 
+def _settings(wandb):
+    """No console capture, no system metrics; the run file flushed every second (wandb's default,
+    15 s, lost the whole history of a short run killed without warning)."""
+    fields = {"console": "off", "x_disable_stats": True, "x_transaction_log_flush_interval": 1.0}
+    known = getattr(wandb.Settings, "model_fields", fields)  # pydantic settings (wandb >= 0.19)
+    return wandb.Settings(**{k: v for k, v in fields.items() if k in known})
+
+
 class WandbLogger:
     """Rank-0 W&B run of one training run family (every method a no-op on other ranks).
 
@@ -63,7 +71,7 @@ class WandbLogger:
         self._run = wandb.init(
             project=cfg.project, entity=cfg.entity, name=cfg.run_name, tags=list(cfg.tags), mode=cfg.mode,
             dir=str(cfg.dir or run_dir), id=run_id or uuid.uuid4().hex[:12], resume="allow",
-            config=dict(config or {}), settings=wandb.Settings(console="off", x_disable_stats=True),
+            config=dict(config or {}), settings=_settings(wandb),
         )
         self.run_id = self._run.id
         tmp = id_file.with_suffix(".tmp")
