@@ -5,12 +5,13 @@ The event files are read back with TensorBoard's own reader (what ``tensorboard 
 the W&B run files with wandb's protobuf records, the mlflow store with mlflow's client.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 
 from launcher import run_torchrun
-from wandb_records import history
+from wandb_records import history, records
 
 WORKER = Path(__file__).with_name("loggers_worker.py")
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops_per_rank",
@@ -26,9 +27,22 @@ def _tensorboard(log_dir: Path):
     return acc
 
 
+def _check_profile(profile_dir: Path) -> None:
+    """The profile of iterations 5-7 on rank 0: a Chrome trace that loads as JSON with the
+    operators and phases of those steps, and the top-operators table."""
+    assert sorted(p.name for p in profile_dir.iterdir()) == [
+        "rank0_steps5-7.top_operators.txt", "rank0_steps5-7.trace.json"]
+    trace = json.loads((profile_dir / "rank0_steps5-7.trace.json").read_text())
+    names = [e.get("name", "") for e in trace["traceEvents"]]
+    assert names.count("forward_backward") == 3 and names.count("optimizer") == 3  # one per profiled step
+    assert "aten::mm" in names or "aten::addmm" in names  # the model's matrix multiplies
+    table = (profile_dir / "rank0_steps5-7.top_operators.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+
+
 @pytest.mark.slow
 def test_tensorboard_and_wandb_continue_the_same_curves_after_a_kill(tmp_path):
-    killed = run_torchrun([WORKER, tmp_path, 15], timeout=300)
+    killed = run_torchrun([WORKER, tmp_path, 15, "profile.enabled=true"], timeout=300)  # steps 5-7, rank 0
     assert killed.returncode != 0  # rank 0 died of SIGKILL after iteration 15
     assert "iter 15/30" not in killed.stdout + killed.stderr  # killed before its log line
     done = run_torchrun([WORKER, tmp_path, 0], timeout=300)
@@ -36,6 +50,7 @@ def test_tensorboard_and_wandb_continue_the_same_curves_after_a_kill(tmp_path):
     assert done.returncode == 0, log[-6000:]
     assert "resumed from LOCAL checkpoint at iteration 10" in log, log[-6000:]
     run_dir = tmp_path / "tb"
+    _check_profile(run_dir / "profile")
 
     acc = _tensorboard(run_dir / "tensorboard")
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one file per start
@@ -79,3 +94,6 @@ def test_tensorboard_and_wandb_continue_the_same_curves_after_a_kill(tmp_path):
     assert set(range(11, 31)) <= set(merged) <= set(range(1, 31))
     assert merged == pytest.approx({s: tb_loss[s] for s in merged}, rel=1e-6)  # the same values as TensorBoard
     assert [r["_step"] for r in second if "val_loss" in r] == [15, 20, 25, 30]
+    artifacts = [r.artifact for r in records(files[1]) if r.WhichOneof("record_type") == "artifact"]
+    assert [json.loads(a.metadata)["step"] for a in artifacts] == [20, 30]  # checkpoint metadata, not bytes
+    assert all(a.type == "checkpoint" and json.loads(a.metadata)["bytes"] > 0 for a in artifacts)
