@@ -15,6 +15,14 @@ WANDB_MODES = ("online", "offline", "disabled")  # wandb.init(mode=...)
 RUN_DIR_TOKEN = "{run_dir}"  # in logger.tensorboard_dir: replaced by logger.run_dir
 
 
+def _importable(name: str) -> bool:
+    """True when package ``name`` can be imported (checked without importing it: wandb takes seconds)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ValueError, ImportError):  # a module set to None in sys.modules (blocked), a broken parent
+        return False
+
+
 @dataclass(kw_only=True)
 class LoggerConfig(_Section):
     """Console progress, run directory and TensorBoard."""
@@ -72,7 +80,7 @@ class WandbConfig(_Section):
             p.append(f"wandb.mode={self.mode!r}: use one of {list(WANDB_MODES)}")
         if not self.project:
             p.append("wandb.project: give a project name (or wandb=null to turn W&B off)")
-        if importlib.util.find_spec("wandb") is None:
+        if not _importable("wandb"):
             p.append("wandb: the section is on but the wandb package is not installed: pip install wandb "
                      "(or set wandb=null)")
         return p
