@@ -111,6 +111,7 @@ def train(
                 break
             with inst.timers.phase(CHECKPOINT):
                 s.checkpoint_manager.maybe_save(objs)
+            inst.profiler.step_end(ts.step)  # the whole iteration: step, eval, log line, saves
     finally:
         inst.profiler.close()  # a run that stops inside the window still writes its files
     s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
@@ -139,10 +140,10 @@ def _forward_for(s: SetupOutput, forward_step_func: Callable) -> Callable:
 
 
 def _one_step(s: SetupOutput, step_forward: Callable, train_it, inst: _Instruments):
-    """One training step inside the profiler window (which the step function owns)."""
+    """One training step; the profiler window opens before the first step it covers (the loop
+    closes it after the last one's saves)."""
     inst.profiler.step_begin(s.train_state.step + 1)
     result = _run_step(s, step_forward, batch_shape(s), train_it, inst.timers)
-    inst.profiler.step_end(s.train_state.step + 1)
     inst.window.add(result)
     return result
 
