@@ -45,7 +45,11 @@ class LoggerConfig(_Section):
         return Path(self.tensorboard_dir.replace(RUN_DIR_TOKEN, self.run_dir))
 
     def problems(self) -> list[str]:
-        return _at_least("logger", self, ("log_interval",))
+        p = _at_least("logger", self, ("log_interval",))
+        if self.tensorboard_dir is not None and not _importable("tensorboard"):
+            p.append("logger.tensorboard_dir is set but the tensorboard package is not installed: pip install "
+                     "tensorboard (or set logger.tensorboard_dir=null)")
+        return p
 
     def path_problems(self) -> list[str]:
         """``tensorboard_dir`` creatable and writable as this process sees it (rank 0 writes it)."""

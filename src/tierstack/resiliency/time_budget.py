@@ -9,12 +9,11 @@ stops (a planned exit, status 0).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Optional
 
-log = logging.getLogger(__name__)
+REASON_PREFIX = "train.exit_duration_in_mins="  # how a stop reason of the budget starts
 
 
 def job_start_time() -> float:
@@ -65,5 +64,5 @@ class TimeBudget:
 
     def reason(self) -> str:
         """The stop reason logged and tagged in the trackers."""
-        return (f"train.exit_duration_in_mins={self.minutes:g} reached ({self.elapsed_s() / 60:.2f} min since "
+        return (f"{REASON_PREFIX}{self.minutes:g} reached ({self.elapsed_s() / 60:.2f} min since "
                 "the job started; the next step and the final save would pass it)")

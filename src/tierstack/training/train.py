@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple, Optional
 from tierstack import runtime
 from tierstack.observability.profiler import StepProfiler
 from tierstack.observability.timers import CHECKPOINT, EVAL, PhaseTimers
-from tierstack.resiliency.time_budget import TimeBudget
+from tierstack.resiliency.time_budget import REASON_PREFIX as BUDGET_REASON, TimeBudget
 from tierstack.training.loop import BatchShape, evaluate, model_flops_per_iteration, train_step
 from tierstack.training.setup import SetupOutput
 from tierstack.train_state import TrainState
@@ -24,10 +24,11 @@ def _stop_reason(s: SetupOutput, exit_request, straggler_stop: Optional[str]) ->
     if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0:
         return f"train.exit_interval={cfg.train.exit_interval} reached at iteration {ts.step}"
     if exit_request is not None and exit_request.agreed():
-        reason = exit_request.reason
-        if reason and reason.startswith("train.exit_duration_in_mins"):
-            return reason  # this rank's own clock said so
-        return f"{reason or 'signal'} received on some rank"
+        reasons = [r for r in exit_request.reasons() if r]  # the same list on every rank
+        signals = [r for r in reasons if not r.startswith(BUDGET_REASON)]
+        if signals or not reasons:  # a signal wins: it came from outside the job
+            return f"{signals[0] if signals else 'signal'} received on some rank"
+        return reasons[0]  # the time budget, as the first rank whose clock said so saw it
     return None
 
 
