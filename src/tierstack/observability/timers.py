@@ -7,7 +7,8 @@ same names); data loading is timed by wrapping the data iterator (:meth:`PhaseTi
 
 At a log line, :meth:`PhaseTimers.take` gathers every rank's means (one small all-gather, a sync
 point) and returns, per phase, the largest mean over ranks (the one that sets the pace, as
-Megatron's timers report) and which rank it was; the full set goes to every logger, a short form to
+Megatron's timers report), and the slowest rank: the one whose forward steps computed longest
+(:data:`FORWARD`; the phases that end in a collective take about as long everywhere); the full set goes to every logger, a short form to
 the console line (:func:`short_summary`).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Optional
 
 from tierstack import runtime
 from tierstack.runtime import collectives
@@ -24,6 +25,10 @@ from tierstack.runtime import collectives
 DATA, FORWARD_BACKWARD, OPTIMIZER, CHECKPOINT, EVAL = "data", "forward_backward", "optimizer", "checkpoint", "eval"
 PHASES = (DATA, FORWARD_BACKWARD, OPTIMIZER, CHECKPOINT, EVAL)
 _SHORT = {DATA: "data", FORWARD_BACKWARD: "fb", OPTIMIZER: "opt", CHECKPOINT: "ckpt", EVAL: "eval"}
+# The forward steps' own compute inside forward_backward (their data waits taken out): no
+# collective ends it on a data-parallel rank, so it names the slow rank, where every phase that
+# ends in a gradient all-reduce takes about as long on every rank (the fast ones wait there).
+FORWARD = "forward"
 PREFIX = "timers/"
 SLOWEST_RANK = PREFIX + "slowest_rank"
 
@@ -43,7 +48,7 @@ class PhaseTimers:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._seconds = dict.fromkeys(PHASES + (FORWARD,), 0.0)
         self._steps = 0
 
     @contextlib.contextmanager
@@ -57,6 +62,7 @@ class PhaseTimers:
             try:
                 yield
             finally:
+                runtime.synchronize()  # GPU: the phase's kernels are done (a no-op on CPU)
                 self._seconds[name] += time.perf_counter() - start
 
     def timed(self, iterator: Iterator) -> Iterator:
@@ -66,24 +72,52 @@ class PhaseTimers:
             return iterator
         return _TimedIterator(iterator, self._seconds)
 
+    def wrap_forward(self, forward_step_func):
+        """``forward_step_func`` (megatron-core's ``(data_iterator, model) -> (output, loss_func)``)
+        timed as :data:`FORWARD`, its data waits left out."""
+        if not self.enabled:
+            return forward_step_func
+
+        def timed_forward(data_iterator, model):
+            start, waited = time.perf_counter(), self._seconds[DATA]
+            try:
+                return forward_step_func(data_iterator, model)
+            finally:
+                self._seconds[FORWARD] += time.perf_counter() - start - (self._seconds[DATA] - waited)
+
+        return timed_forward
+
     def step_done(self) -> None:
         """Count one training step (the denominator of the means)."""
         self._steps += 1
 
-    def take(self) -> dict[str, float]:
+    def take(self, per_rank: Optional[Mapping[str, float]] = None) -> dict[str, float]:
         """Collective on every rank when enabled: per phase the largest mean seconds per step over
         ranks (``timers/<phase>_s``) and ``timers/slowest_rank`` (the rank with the largest total);
-        then start a new window. Empty dict when disabled."""
+        then start a new window. Empty dict when disabled.
+
+        ``per_rank``: more figures of this rank gathered in the same collective (the same keys on
+        every rank, e.g. memory); each comes back as its largest value over ranks, with
+        ``<key>_rank`` the rank that had it.
+        """
         if not self.enabled:
             return {}
         steps = max(self._steps, 1)
-        mine = [self._seconds[p] / steps for p in PHASES]
+        mine = [self._seconds[p] / steps for p in PHASES + (FORWARD,)]
         mine[PHASES.index(FORWARD_BACKWARD)] -= self._seconds[DATA] / steps  # data waits happen inside
-        self._seconds, self._steps = dict.fromkeys(PHASES, 0.0), 0
-        every = collectives.all_gather_object(mine)
-        out = {metric_key(p): max(rank_means[i] for rank_means in every) for i, p in enumerate(PHASES)}
-        out[SLOWEST_RANK] = max(range(len(every)), key=lambda r: sum(every[r]))
+        self._seconds, self._steps = dict.fromkeys(PHASES + (FORWARD,), 0.0), 0
+        every = collectives.all_gather_object((mine, dict(per_rank or {})))
+        out = {metric_key(p): max(means[i] for means, _ in every) for i, p in enumerate(PHASES + (FORWARD,))}
+        pace = -1 if out[metric_key(FORWARD)] > 0 else slice(None)  # the forward compute, else the total
+        out[SLOWEST_RANK] = max(range(len(every)), key=lambda r: _total(every[r][0][pace]))
+        for key in per_rank or {}:
+            top = max(range(len(every)), key=lambda r: every[r][1][key])
+            out[key], out[f"{key}_rank"] = every[top][1][key], top
         return out
+
+
+def _total(value) -> float:
+    return sum(value) if isinstance(value, list) else value
 
 
 class _TimedIterator:

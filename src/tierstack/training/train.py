@@ -95,7 +95,7 @@ def train(
         from tierstack.resiliency.signals import ExitRequest
 
         exit_request = ExitRequest(signals=())  # the ranks agree on the budget's stop through it
-    step_forward = _forward_for(s, forward_step_func)
+    step_forward = inst.timers.wrap_forward(_forward_for(s, forward_step_func))
     train_it = inst.timers.timed(s.train_data_iterator)
     start_step, stop = ts.step, None
     try:
@@ -165,8 +165,8 @@ def _after_step(s: SetupOutput, forward_step_func, objs, result, inst: _Instrume
     first_of_run = step == start_step + 1  # shows where a run (or a resume) starts
     if first_of_run or step % cfg.logger.log_interval == 0 or step == cfg.train.train_iters or "val_loss" in metrics:
         metrics.update(inst.window.take())
-        metrics.update(inst.timers.take())  # collective (every rank logs at the same steps)
-        metrics.update(runtime.memory_report())
+        # collective (every rank logs at the same steps); memory: the largest over ranks, and which
+        metrics.update(inst.timers.take(per_rank=runtime.memory_report()) or runtime.memory_report())
         metrics.update(_checkpoint_metrics(s))
         _publish_metrics(s, step, metrics, progress, history)
     elif progress is not None:

@@ -27,7 +27,8 @@ def test_phase_means_per_step_with_the_data_wait_taken_out_of_forward_backward()
         with timers.phase("optimizer"):
             time.sleep(0.01)
         timers.step_done()
-    out = timers.take()
+    out = timers.take(per_rank={"memory/rss_gib": 1.5})
+    assert out["memory/rss_gib"] == 1.5 and out["memory/rss_gib_rank"] == 0
     assert out[metric_key("data")] >= 0.2  # two 100 ms waits per step
     assert 0.009 <= out[metric_key("forward_backward")] < 0.1  # 10 ms of its own: the 200 ms of waits removed
     assert out[metric_key("optimizer")] >= 0.009
@@ -35,10 +36,29 @@ def test_phase_means_per_step_with_the_data_wait_taken_out_of_forward_backward()
     assert timers.take()[metric_key("optimizer")] == 0.0  # a new window
 
 
+def test_the_forward_steps_own_compute_is_timed_without_their_data_waits():
+    timers = PhaseTimers()
+    batches = timers.timed(_slow_batches(2, 0.1))
+
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        time.sleep(0.02)
+        return "output", "loss_func"
+
+    forward = timers.wrap_forward(forward_step)
+    with timers.phase("forward_backward"):
+        assert forward(batches, None) == ("output", "loss_func")
+        assert forward(batches, None) == ("output", "loss_func")
+    timers.step_done()
+    out = timers.take()
+    assert 0.039 <= out[metric_key("forward")] < 0.1  # 2 x 20 ms, the 2 x 100 ms waits left out
+    assert out[metric_key("data")] >= 0.2
+
+
 def test_disabled_timers_time_nothing_and_return_nothing():
     timers = PhaseTimers(enabled=False)
     it = iter([1])
-    assert timers.timed(it) is it
+    assert timers.timed(it) is it and timers.wrap_forward(len) is len
     with timers.phase("optimizer"):
         pass
     assert timers.take() == {}
