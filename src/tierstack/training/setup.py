@@ -185,6 +185,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     from tierstack.data.tokenizers import build_tokenizer
     from tierstack.hf.pretrained import pretrained_root
     from tierstack.models.gpt import gpt_model_provider, model_vocab_size
+    from tierstack.observability.run_loggers import RunLoggers
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler, wire_model_config
 
     _check_paths_on_every_rank(cfg, layout)
@@ -198,9 +199,6 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     wire_model_config(model, optimizer)
     scheduler = build_scheduler(cfg, optimizer)
     train_state = TrainState()
-
-    from tierstack.observability.run_loggers import RunLoggers
-
     tracker = _build_experiment_tracker(cfg, layout)
     loggers = RunLoggers(tracker)  # TensorBoard and W&B join after the resume (they need its step)
     register(stack, "run loggers", loggers.finish, with_status=True)
@@ -215,14 +213,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     resume_info = ckpt.resume(objs)
     if resume_info is not None:
         _report_schedule(scheduler)
-    if tracker is not None:
-        run_id = tracker.start(
-            cfg.flat_params(),
-            resume_run_id=train_state.experiment_run_id,
-            resume_step=resume_info.step if resume_info is not None else None,
-        )
-        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
-    _add_loggers(cfg, layout, loggers, train_state.step)
+    _start_loggers(cfg, layout, loggers, tracker, train_state, resume_info)
     # The DataLoaders draw their seeds from their own generator (data.samplers), so building them
     # leaves the restored RNG state untouched: dropout after a resume matches an uninterrupted run.
     train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
@@ -259,9 +250,19 @@ def _build_experiment_tracker(cfg: ConfigContainer, layout: runtime.ParallelLayo
     return ExperimentTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)
 
 
-def _add_loggers(cfg: ConfigContainer, layout: runtime.ParallelLayout, loggers, resume_step: int) -> None:
-    """TensorBoard (``logger.tensorboard_dir``) and W&B (section ``wandb``), continuing the curves of
-    the run resumed at ``resume_step`` (0: a fresh start)."""
+def _start_loggers(cfg: ConfigContainer, layout: runtime.ParallelLayout, loggers, tracker, train_state: TrainState,
+                   resume_info) -> None:
+    """Collective, after the resume: continue (or open) the mlflow run, then add TensorBoard
+    (``logger.tensorboard_dir``) and W&B (section ``wandb``) to ``loggers``, continuing the curves of
+    the run resumed at ``train_state.step`` (0: a fresh start)."""
+    if tracker is not None:
+        run_id = tracker.start(
+            cfg.flat_params(),
+            resume_run_id=train_state.experiment_run_id,
+            resume_step=resume_info.step if resume_info is not None else None,
+        )
+        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
+    resume_step = train_state.step
     tb_dir = cfg.logger.tensorboard_path()
     if tb_dir is not None:
         from tierstack.observability.tensorboard_logger import TensorBoardLogger
