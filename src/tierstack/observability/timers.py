@@ -74,14 +74,16 @@ class PhaseTimers:
 
     def wrap_forward(self, forward_step_func):
         """``forward_step_func`` (megatron-core's ``(data_iterator, model) -> (output, loss_func)``)
-        timed as :data:`FORWARD`, its data waits left out."""
+        timed as :data:`FORWARD`, its data waits left out, inside an NVTX range ``forward``. (The
+        backward passes run inside megatron-core's schedule: they are in ``forward_backward``.)"""
         if not self.enabled:
             return forward_step_func
 
         def timed_forward(data_iterator, model):
             start, waited = time.perf_counter(), self._seconds[DATA]
             try:
-                return forward_step_func(data_iterator, model)
+                with runtime.nvtx_range(FORWARD):
+                    return forward_step_func(data_iterator, model)
             finally:
                 self._seconds[FORWARD] += time.perf_counter() - start - (self._seconds[DATA] - waited)
 

@@ -115,7 +115,8 @@ def train(
             inst.profiler.step_end(ts.step)  # the whole iteration: step, eval, log line, saves
     finally:
         inst.profiler.close()  # a run that stops inside the window still writes its files
-    s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
+    with runtime.nvtx_range("checkpoint_final"):
+        s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
     if stop:
         log.warning("stopping at iteration %d: %s", ts.step, stop)
         s.loggers.set_tag("stop_reason", stop)
