@@ -72,7 +72,7 @@ class StepProfiler:
         stem = f"rank{self.rank}_steps{self.cfg.step_start}-{self.cfg.step_end}"
         self.trace_path = self.out_dir / f"{stem}.trace.json"
         prof.export_chrome_trace(str(self.trace_path))
-        sort_by = "self_cuda_time_total" if runtime.has_gpu() else "self_cpu_time_total"
+        sort_by = "self_device_time_total" if runtime.has_gpu() else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=self.cfg.top_operators)
         self.table_path = self.out_dir / f"{stem}.top_operators.txt"
         self.table_path.write_text(table + "\n")
