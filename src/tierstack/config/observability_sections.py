@@ -72,7 +72,8 @@ class WandbConfig(_Section):
     ``<run_dir>/wandb_run_id.txt`` so that a resume continues the same W&B run."""
 
     project: str = "tierstack"  # W&B project
-    mode: str = "offline"  # online, offline (no network: sync later with `wandb sync`) or disabled
+    # online, offline (no network: sync later with `wandb sync`), disabled; null = $WANDB_MODE, else online
+    mode: Optional[str] = None
     entity: Optional[str] = None  # W&B team or user; None = the account's default
     run_name: Optional[str] = None  # display name; None = W&B's own
     tags: list = field(default_factory=list)  # W&B run tags
@@ -80,7 +81,7 @@ class WandbConfig(_Section):
 
     def problems(self) -> list[str]:
         p = []
-        if self.mode not in WANDB_MODES:
+        if self.mode is not None and self.mode not in WANDB_MODES:
             p.append(f"wandb.mode={self.mode!r}: use one of {list(WANDB_MODES)}")
         if not self.project:
             p.append("wandb.project: give a project name (or wandb=null to turn W&B off)")

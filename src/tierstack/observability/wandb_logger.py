@@ -1,9 +1,9 @@
 """Weights & Biases for a run (section ``wandb``), from rank 0 alone.
 
 ``wandb.mode``: ``online`` (a W&B server), ``offline`` (files under ``<wandb.dir>/wandb/``, no
-network; ``wandb sync`` uploads them later) or ``disabled``. The run id is kept in
-``<run_dir>/wandb_run_id.txt``: a resumed run opens the same id (``resume="allow"``), so its
-history continues at the resumed iteration + 1. Metrics per log interval go to the history at
+network; ``wandb sync`` uploads them later) or ``disabled``; null: ``$WANDB_MODE``, else online.
+The run id is kept in ``<run_dir>/wandb_run_id.txt``: a resumed run opens the same id
+(``resume="allow"``), so its history continues at the resumed iteration + 1. Metrics per log interval go to the history at
 their iteration (W&B's ``step``); a published GLOBAL checkpoint is logged as a W&B artifact of
 type ``checkpoint`` holding its metadata (tier, step, path, bytes, seconds), never its bytes.
 wandb is imported only when the section is on.
@@ -33,6 +33,11 @@ def _import_wandb():
     return wandb
 
 
+def _mode(cfg: WandbConfig) -> str:
+    """``wandb.mode``, else ``$WANDB_MODE``, else online."""
+    return cfg.mode or os.environ.get("WANDB_MODE") or "online"
+
+
 def _settings(wandb):
     """No console capture, no system metrics; the run file flushed every second (wandb's default,
     15 s, lost the whole history of a short run killed without warning)."""
@@ -57,7 +62,7 @@ class WandbLogger:
 
     def __init__(self, cfg: WandbConfig, run_dir: str | os.PathLike, rank: int, resume_step: int = 0,
                  config: Optional[Mapping[str, Any]] = None) -> None:
-        self.enabled = rank == 0 and cfg.mode != "disabled"
+        self.enabled = rank == 0 and _mode(cfg) != "disabled"
         self._run = None
         self.run_id: Optional[str] = None
         if not self.enabled:
@@ -69,7 +74,7 @@ class WandbLogger:
         run_id = id_file.read_text().strip() if resume_step > 0 and id_file.is_file() else None
         os.environ.setdefault("WANDB_SILENT", "true")
         self._run = wandb.init(
-            project=cfg.project, entity=cfg.entity, name=cfg.run_name, tags=list(cfg.tags), mode=cfg.mode,
+            project=cfg.project, entity=cfg.entity, name=cfg.run_name, tags=list(cfg.tags), mode=_mode(cfg),
             dir=str(cfg.dir or run_dir), id=run_id or uuid.uuid4().hex[:12], resume="allow",
             config=dict(config or {}), settings=_settings(wandb),
         )
@@ -77,7 +82,7 @@ class WandbLogger:
         tmp = id_file.with_suffix(".tmp")
         tmp.write_text(self.run_id + "\n")
         os.replace(tmp, id_file)
-        log.info("wandb: %s run %s (%s)", "continuing" if run_id else "new", self.run_id, cfg.mode)
+        log.info("wandb: %s run %s (%s)", "continuing" if run_id else "new", self.run_id, _mode(cfg))
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Finite numeric metrics at W&B step ``step`` (the iteration)."""

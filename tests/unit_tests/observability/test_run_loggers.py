@@ -109,9 +109,11 @@ def test_wandb_offline_continues_one_run_id_across_a_resume(tmp_path, monkeypatc
     second = WandbLogger(cfg, tmp_path, rank=0, resume_step=1)
     second.log_metrics(2, {"loss": 1.5})
     second.finish("FAILED")
-    fresh = WandbLogger(cfg, tmp_path, rank=0)  # a fresh start (step 0) is a new W&B run
+    # a fresh start (step 0) is a new W&B run; no wandb.mode: $WANDB_MODE (offline here)
+    fresh = WandbLogger(WandbConfig(project="unit"), tmp_path, rank=0)
     fresh.finish()
     assert first.run_id == second.run_id != fresh.run_id
     assert (tmp_path / RUN_ID_FILE).read_text().strip() == fresh.run_id
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{first.run_id}"))) == 2
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{fresh.run_id}"))) == 1
     assert WandbLogger(cfg, tmp_path, rank=1).run_id is None  # other ranks: no run at all
