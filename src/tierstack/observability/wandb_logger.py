@@ -3,9 +3,10 @@
 ``wandb.mode``: ``online`` (a W&B server), ``offline`` (files under ``<wandb.dir>/wandb/``, no
 network; ``wandb sync`` uploads them later) or ``disabled``; null: ``$WANDB_MODE``, else online.
 The run id is kept in ``<run_dir>/wandb_run_id.txt``: a resumed run opens the same id
-(``resume="allow"``), so its history continues at the resumed iteration + 1. Metrics per log interval go to the history at
-their iteration (W&B's ``step``); a published GLOBAL checkpoint is logged as a W&B artifact of
-type ``checkpoint`` holding its metadata (tier, step, path, bytes, seconds), never its bytes.
+(``resume="allow"``), so its history continues at the resumed iteration + 1. Metrics per log
+interval go to the history at their iteration (W&B's ``step``); a published GLOBAL checkpoint is
+logged as a W&B artifact of type ``checkpoint`` holding its metadata (tier, step, path, bytes,
+seconds), never its bytes.
 wandb is imported only when the section is on.
 """
 
