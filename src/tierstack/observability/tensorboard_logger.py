@@ -9,7 +9,8 @@ run config as text (tag ``config``) at the step the run starts from.
 
 A resume continues the same curves: a resumed run opens its writer with ``purge_step`` = the
 resumed iteration + 1, so TensorBoard drops what the earlier run logged beyond the checkpoint
-(those steps are trained again), and no step shows twice or out of order. Events are flushed
+(those steps are trained again), and no step shows twice or out of order; a fresh start in a
+directory that holds an earlier run's files hides all of them (as ``metrics.jsonl`` starts over). Events are flushed
 at each log interval, so a run killed without warning loses at most the current interval.
 """
 
@@ -59,10 +60,10 @@ class TensorBoardLogger:
             return
         writer_class = _summary_writer_class()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # purge_step: a SessionLog START event at that step tells readers to drop later events of
-        # earlier files. Only a resume needs it (a fresh run has nothing to purge).
-        purge = resume_step + 1 if resume_step > 0 else None
-        self._writer = writer_class(log_dir=str(self.log_dir), purge_step=purge, flush_secs=30)
+        # purge_step: a SessionLog START event at that step tells readers to drop the events of
+        # earlier files from there on: what a resumed run trains again, or all of an earlier
+        # run's events when this one starts fresh in the same directory (step 1).
+        self._writer = writer_class(log_dir=str(self.log_dir), purge_step=resume_step + 1, flush_secs=30)
         if config is not None:
             text = "```\n" + json.dumps(config, indent=2, default=str) + "\n```"  # markdown code block
             self._writer.add_text(CONFIG_TAG, text, global_step=resume_step)

@@ -89,6 +89,17 @@ def test_tensorboard_continues_the_curves_of_a_resumed_run(tmp_path):
     assert "config/text_summary" in acc.Tags()["tensors"]
 
 
+def test_a_fresh_start_in_the_same_directory_hides_the_earlier_runs_events(tmp_path):
+    old = TensorBoardLogger(tmp_path, rank=0)
+    for step in (1, 2, 3):
+        old.log_metrics(step, {"loss": 9.0})
+    old.finish()
+    new = TensorBoardLogger(tmp_path, rank=0)  # no checkpoint: a fresh start at step 0
+    new.log_metrics(1, {"loss": 1.0})
+    new.finish()
+    assert _scalars(tmp_path)[0]["loss"] == [(1, 1.0)]
+
+
 def test_tensorboard_writes_nothing_on_other_ranks(tmp_path):
     logger = TensorBoardLogger(tmp_path / "tb", rank=1)
     logger.log_metrics(1, {"loss": 1.0})
