@@ -20,7 +20,7 @@ def test_the_time_budget_ends_the_run_with_a_published_global_checkpoint(tmp_pat
                          "wandb=null", "logger.log_interval=50", "train.eval_interval=null"], timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    stop = re.search(r"stopping at iteration (\d+): train\.exit_duration_in_mins=1\.25 reached", log)
+    stop = re.search(r"stopping at iteration (\d+): " + re.escape(f"train.exit_duration_in_mins={BUDGET_MIN:g} reached"), log)
     assert stop, log[-6000:]
     step = int(stop.group(1))
     assert 0 < step < 100000
