@@ -9,11 +9,13 @@ from tierstack.config.sections import (
     MlflowConfig,
     ModelConfig,
     OptimizerConfig,
+    ProfileConfig,
     RNGConfig,
     SchedulerConfig,
     StragglerConfig,
     TokenizerConfig,
     TrainConfig,
+    WandbConfig,
 )
 
 __all__ = [
@@ -26,9 +28,11 @@ __all__ = [
     "MlflowConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "ProfileConfig",
     "RNGConfig",
     "SchedulerConfig",
     "StragglerConfig",
     "TokenizerConfig",
     "TrainConfig",
+    "WandbConfig",
 ]

@@ -22,20 +22,22 @@ from tierstack.config.sections import (
     MlflowConfig,
     ModelConfig,
     OptimizerConfig,
+    ProfileConfig,
     RNGConfig,
     SchedulerConfig,
     StragglerConfig,
     TokenizerConfig,
     TrainConfig,
+    WandbConfig,
 )
 
 
-_OPTIONAL_SECTIONS = ("straggler", "mlflow")
+_OPTIONAL_SECTIONS = ("straggler", "mlflow", "wandb")
 
 
 @dataclass(kw_only=True)
 class ConfigContainer:
-    """Every section of a run. ``straggler`` and ``mlflow`` are off when None."""
+    """Every section of a run. ``straggler``, ``mlflow`` and ``wandb`` are off when None."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -49,6 +51,8 @@ class ConfigContainer:
     rng: RNGConfig = field(default_factory=RNGConfig)
     straggler: Optional[StragglerConfig] = None
     mlflow: Optional[MlflowConfig] = None
+    wandb: Optional[WandbConfig] = None
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     # ------------------------------------------------------------------ overrides
     def apply_overrides(self, dotlist: Iterable[str]) -> "ConfigContainer":
@@ -217,6 +221,10 @@ class ConfigContainer:
         c = self.checkpoint
         if c is not None and check_paths:
             p += c.path_problems()
+        if check_paths:
+            p += self.logger.path_problems()
+        if self.profile.enabled and any(r >= world_size for r in self.profile.ranks if isinstance(r, int)):
+            p.append(f"profile.ranks={self.profile.ranks}: each rank must be < the world size {world_size}")
         if c is not None and c.save_on_best and not (t.eval_interval and t.eval_iters >= 1):
             p.append("checkpoint.save_on_best needs validation: set train.eval_interval (and train.eval_iters >= 1)")
         if p:

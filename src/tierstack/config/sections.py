@@ -16,6 +16,14 @@ from typing import Any, Optional, Union
 
 from tierstack.config.data_path import parse_data_path  # noqa: F401 - re-exported (its home was here)
 from tierstack.config.base import ConfigError, _at_least, _Section, writable_dir_problem  # noqa: F401 - ConfigError re-exported
+from tierstack.config.observability_sections import (  # noqa: F401 - re-exported: logger sections live there
+    LOG_FORMATS,
+    WANDB_MODES,
+    LoggerConfig,
+    MlflowConfig,
+    ProfileConfig,
+    WandbConfig,
+)
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
     ACTIVATION_FUNCS,
     NORMALIZATIONS,
@@ -29,7 +37,6 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 BEST_METRICS = {"val_loss": True}
 ON_NONFINITE = ("stop", "skip")  # checkpoint.on_nonfinite
 TOKENIZER_TYPES = ("byte", "huggingface")
-LOG_FORMATS = ("tierstack", "megatron")  # logger.format
 # train.exit_signal: signals a rank can catch that no launcher or library here uses for something else
 _EXIT_SIGNALS = frozenset({"SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGALRM"})
 
@@ -47,6 +54,9 @@ class TrainConfig(_Section):
     # A signal that asks for the planned exit (checkpoint, then stop) like SIGTERM, sent ahead of
     # it: SLURM's `--signal=USR1@120`. Our launcher forwards it to the ranks; null = none.
     exit_signal: Optional[str] = "SIGUSR1"
+    # Time budget of the job in minutes, counted from its start: the run saves GLOBAL and exits
+    # (a planned exit, status 0) when the next step and that save would pass it. None = no budget.
+    exit_duration_in_mins: Optional[float] = None
 
     def problems(self) -> list[str]:
         p = _at_least("train", self, ("train_iters", "micro_batch_size", "global_batch_size"))
@@ -56,6 +66,8 @@ class TrainConfig(_Section):
             p.append("train.eval_iters must be >= 0")
         if self.exit_signal is not None and self.exit_signal not in _EXIT_SIGNALS:
             p.append(f"train.exit_signal={self.exit_signal!r}: use one of {sorted(_EXIT_SIGNALS)}, or null")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            p.append(f"train.exit_duration_in_mins={self.exit_duration_in_mins}: must be > 0 minutes or null")
         return p
 
 
@@ -323,25 +335,6 @@ def _pretrained_problems(spec: str) -> list[str]:
 
 
 @dataclass(kw_only=True)
-class LoggerConfig(_Section):
-    """Console progress and run directory."""
-
-    run_dir: str = "runs/default"  # where logs, plots and the default mlflow store go
-    log_interval: int = 10  # iterations between rank-0 log lines
-    progress_bar: bool = True  # tqdm bar on rank 0
-    loss_curve: bool = True  # write <run_dir>/loss_curve.png at the end of the run (rank 0, matplotlib)
-    # the log line and the experiment tracker's metric names: "tierstack", or "megatron" (Megatron-LM's
-    # training log line and metric names: lm loss, learning-rate, grad-norm, ...)
-    format: str = "tierstack"
-
-    def problems(self) -> list[str]:
-        p = _at_least("logger", self, ("log_interval",))
-        if self.format not in LOG_FORMATS:
-            p.append(f"logger.format={self.format!r}: use one of {list(LOG_FORMATS)}")
-        return p
-
-
-@dataclass(kw_only=True)
 class RNGConfig(_Section):
     seed: int = 1234  # base seed; megatron-core offsets it per pipeline stage and TP rank
 
@@ -366,15 +359,6 @@ class StragglerConfig(_Section):
         return p
 
 
-@dataclass(kw_only=True)
-class MlflowConfig(_Section):
-    """mlflow tracking; only rank 0 talks to mlflow."""
-
-    tracking_uri: Optional[str] = None  # None = sqlite store inside logger.run_dir
-    experiment_name: str = "tierstack"
-    run_name: Optional[str] = None
-
-
 SECTION_TYPES = {
     "model": ModelConfig,
     "train": TrainConfig,
@@ -388,4 +372,6 @@ SECTION_TYPES = {
     "rng": RNGConfig,
     "straggler": StragglerConfig,
     "mlflow": MlflowConfig,
+    "wandb": WandbConfig,
+    "profile": ProfileConfig,
 }

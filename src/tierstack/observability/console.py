@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 from tierstack.config.sections import LoggerConfig
 from tierstack.observability import megatron_log
+from tierstack.observability.timers import short_summary
 
 log = logging.getLogger("tierstack.progress")
 
@@ -25,16 +26,15 @@ TOKENS_PER_S = "tokens_per_s"
 STEP_TIME_S = "step_time_s"
 TFLOPS_PER_RANK = "tflops_per_rank"
 
-# (key, label, format) in display order.
-_KNOWN = (
-    (LOSS, "loss {:.3f}"),
-    (VAL_LOSS, "val {:.3f}"),
-    (LR, "lr {:.1e}"),
-    (GRAD_NORM, "grad norm {:.2f}"),
-    (TOKENS_PER_S, "{:.0f} tok/s"),
-    (STEP_TIME_S, "{:.2f} s/it"),
-    (TFLOPS_PER_RANK, "{:.3g} TFLOP/s/rank"),
+MAX_LINE = 160  # characters: a console line never wraps on a 160-column terminal
+
+# Groups of (key, format) in display order; a group's parts are joined by one space.
+_GROUPS = (
+    ((LOSS, "loss {:.3f}"), (VAL_LOSS, "val {:.3f}")),
+    ((LR, "lr {:.1e}"), (GRAD_NORM, "gnorm {:.2f}")),
+    ((TOKENS_PER_S, "{:.0f} tok/s"), (STEP_TIME_S, "{:.2f} s/it"), (TFLOPS_PER_RANK, "{:.3g} TF/s")),
 )
+_KNOWN = tuple(item for group in _GROUPS for item in group)
 _KNOWN_KEYS = {k for k, _ in _KNOWN}
 
 
@@ -68,23 +68,40 @@ def _straggler_summary(metrics: Mapping[str, Any]) -> list[str]:
 
 
 def format_step_line(iteration: int, total_iters: int, metrics: Mapping[str, Any]) -> str:
-    """One console line, e.g. ``iter 120/200 | loss 2.913 | val 2.801 | lr 2.1e-03 | grad norm 0.84 |
-    1712 tok/s | 1.21 s/it | eta 1m37s``. Missing or None metrics are left out; ETA comes from
-    ``step_time_s`` (seconds per iteration)."""
+    """One console line of at most :data:`MAX_LINE` characters, e.g. ``iter 120/200 | loss 2.913
+    val 2.801 | lr 2.1e-03 gnorm 0.84 | 1712 tok/s 1.21 s/it 0.0123 TF/s | fb 1.02 opt 0.12 ckpt
+    0.05 max r1 | eta 1m37s`` (TF/s: model TFLOP/s per rank; the timers: seconds per step).
+
+    Missing or None metrics are left out; ETA comes from ``step_time_s`` (seconds per iteration).
+    The timers are in the short form of :func:`~tierstack.observability.timers.short_summary`
+    (phases per step, slowest rank). The straggler summary and other plain metrics follow while
+    the line stays within :data:`MAX_LINE`; namespaced metrics (``timers/``, ``memory/``,
+    ``checkpoint/``, single ``straggler/`` scores) go to the loggers only, in full.
+    """
     parts = [f"iter {iteration}/{total_iters}"]
-    for key, fmt in _KNOWN:
-        value = metrics.get(key)
-        if value is not None:
-            parts.append(fmt.format(float(value)))
-    parts.extend(_straggler_summary(metrics))
+    for group in _GROUPS:
+        shown = [fmt.format(float(metrics[key])) for key, fmt in group if metrics.get(key) is not None]
+        if shown:
+            parts.append(" ".join(shown))
+    timers = short_summary(metrics)
+    if timers:
+        parts.append(timers)
+    optional = _straggler_summary(metrics)
     for key, value in metrics.items():
-        if key in _KNOWN_KEYS or value is None or key.startswith(_STRAGGLER_PREFIX):
+        if key in _KNOWN_KEYS or value is None or "/" in key:  # namespaced metrics: the loggers have them all
             continue
-        parts.append(f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}")
+        optional.append(f"{key} {value:.4g}" if isinstance(value, (int, float)) else f"{key} {value}")
     step_time = metrics.get(STEP_TIME_S)
+    eta = []
     if step_time is not None and total_iters > iteration:
-        parts.append(f"eta {format_duration(float(step_time) * (total_iters - iteration))}")
-    return " | ".join(parts)
+        eta = [f"eta {format_duration(float(step_time) * (total_iters - iteration))}"]
+    for part in optional:  # while they fit, leaving room for the ETA
+        if len(" | ".join(parts + [part] + eta)) <= MAX_LINE:
+            parts.append(part)
+    line = " | ".join(parts + eta)
+    if len(line) > MAX_LINE:  # a huge run with every phase shown: the ETA goes (the bar has it), then a cut
+        line = " | ".join(parts)
+    return line[:MAX_LINE]
 
 
 class ProgressLogger:

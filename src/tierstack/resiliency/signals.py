@@ -66,6 +66,11 @@ class ExitRequest:
         """True on every rank when any rank was asked to exit. Collective: call on all ranks."""
         return collectives.any_true(bool(self._requested))
 
+    def reasons(self) -> list[Optional[str]]:
+        """Every rank's reason, by rank (None where a rank was not asked). Collective: call on all
+        ranks, once :meth:`agreed` said True, so that every rank names the same cause."""
+        return collectives.all_gather_object(self._requested)
+
     @property
     def reason(self) -> Optional[str]:
         return self._requested

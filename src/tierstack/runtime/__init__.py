@@ -12,6 +12,7 @@ known_warnings.install_import_filters()
 from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer  # noqa: E402
 from tierstack.runtime.fusions import fusion_flags  # noqa: E402
 from tierstack.runtime import jit_fuser  # noqa: E402
+from tierstack.runtime.profiling import memory_report, nvtx_range, profiler_activities  # noqa: E402
 from tierstack.runtime.distributed import (  # noqa: E402
     ParallelLayout,
     current_layout,
@@ -46,6 +47,9 @@ __all__ = [
     "has_gpu",
     "initialize_distributed",
     "memory_allocated_bytes",
+    "memory_report",
+    "nvtx_range",
+    "profiler_activities",
     "seed_all",
     "set_rng_state",
     "synchronize",

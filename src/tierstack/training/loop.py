@@ -12,8 +12,12 @@ import torch
 import torch.distributed as dist
 
 from tierstack import runtime
+from tierstack.observability.timers import FORWARD_BACKWARD, OPTIMIZER, PhaseTimers
 
 log = logging.getLogger(__name__)
+
+
+_NO_TIMERS = PhaseTimers(enabled=False)
 
 
 @dataclass
@@ -110,22 +114,31 @@ def train_step(
     optimizer,
     scheduler,
     shape: BatchShape,
+    timers: Optional[PhaseTimers] = None,
 ) -> StepResult:
     """One optimizer step over a global batch of ``shape``.
+
+    ``timers`` (the loop's :class:`~tierstack.observability.timers.PhaseTimers`) times the
+    forward-backward and optimizer phases (each also an NVTX range on GPU); ``data_iterator`` is
+    expected to be wrapped by ``timers.timed`` for the data phase.
 
     Raises:
         Whatever the forward step or megatron-core raise; the caller cleans up.
     """
+    timers = timers if timers is not None else _NO_TIMERS
     start = time.perf_counter()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = run_schedule(forward_step_func, data_iterator, model, shape, forward_only=False)
-    update_successful, grad_norm, _ = optimizer.step()
-    if update_successful:
-        scheduler.step(increment=1)
+    with timers.phase(FORWARD_BACKWARD):
+        losses = run_schedule(forward_step_func, data_iterator, model, shape, forward_only=False)
+    with timers.phase(OPTIMIZER):
+        update_successful, grad_norm, _ = optimizer.step()
+        if update_successful:
+            scheduler.step(increment=1)
     loss, local_loss_finite = reduce_loss_across_ranks(losses)
     runtime.synchronize()
+    timers.step_done()
     return StepResult(
         loss=loss,
         grad_norm=float(grad_norm) if grad_norm is not None else math.nan,

@@ -92,7 +92,6 @@ def _write_loss_curve(s, history, run_dir: Path) -> None:
             history.metrics(), run_dir / "loss_curve.png", history.checkpoint_steps(), history.resume_steps()
         )
         log.info("loss curve: %s", out)
-        if s.experiment_tracker is not None:
-            s.experiment_tracker.log_artifact(out)
+        s.loggers.log_artifact(out)
     except Exception as exc:  # a plot must never turn a finished run into a failed one
         log.warning("could not write the loss curve: %s", exc)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # megatron-core and mlflow are slow to import; setup() import
     from tierstack.checkpointing import CheckpointManager, ResumeInfo
     from tierstack.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer
     from tierstack.observability.experiment_tracker import ExperimentTracker
+    from tierstack.observability.run_loggers import RunLoggers
     from tierstack.resiliency.straggler import StragglerMonitor
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SetupOutput(NamedTuple):
     straggler: "Optional[StragglerMonitor]"
     experiment_tracker: "Optional[ExperimentTracker]"
     padded_vocab_size: int
+    loggers: "RunLoggers"  # every run logger that is on (mlflow, TensorBoard, W&B) behind one interface
 
 
 def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: TrainState):
@@ -91,7 +93,7 @@ def _build_iterators(cfg: ConfigContainer, tokenizer, layout, train_state: Train
 
 
 def _check_paths_on_every_rank(cfg: ConfigContainer, layout: runtime.ParallelLayout) -> None:
-    """Collective: every rank checks the checkpoint directories as its node sees them
+    """Collective: every rank checks the checkpoint directories (rank 0 also ``logger.tensorboard_dir``) as its node sees them
     (``CheckpointConfig.path_problems``) and all ranks raise the same error when any rank found a
     problem, naming the field and the ranks (a node-local ``local_dir`` that is a file on one node,
     a GLOBAL mount missing on another). Without this, the rank with the bad directory stopped alone
@@ -100,11 +102,11 @@ def _check_paths_on_every_rank(cfg: ConfigContainer, layout: runtime.ParallelLay
     Raises:
         ConfigError: on every rank, each problem once with the ranks that found it.
     """
-    if cfg.checkpoint is None:
-        return
     import socket
 
-    mine = cfg.checkpoint.path_problems()
+    mine = cfg.checkpoint.path_problems() if cfg.checkpoint is not None else []
+    if layout.rank == 0:  # rank 0 alone writes TensorBoard's files
+        mine += cfg.logger.path_problems()
     seen = collectives.all_gather_object((mine, socket.gethostname()) if mine else None)
     by_problem: dict[str, list[str]] = {}
     for rank, view in enumerate(seen):
@@ -183,6 +185,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     from tierstack.data.tokenizers import build_tokenizer
     from tierstack.hf.pretrained import pretrained_root
     from tierstack.models.gpt import gpt_model_provider, model_vocab_size
+    from tierstack.observability.run_loggers import RunLoggers
     from tierstack.training.optim import build_model, build_optimizer, build_scheduler, wire_model_config
 
     _check_paths_on_every_rank(cfg, layout)
@@ -196,13 +199,11 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     wire_model_config(model, optimizer)
     scheduler = build_scheduler(cfg, optimizer)
     train_state = TrainState()
-
     tracker = _build_experiment_tracker(cfg, layout)
-    if tracker is not None:
-        register(stack, "mlflow run", tracker.finish, with_status=True)
-    listeners = [tracker.log_checkpoint] if tracker is not None else []
+    loggers = RunLoggers(tracker)  # TensorBoard and W&B join after the resume (they need its step)
+    register(stack, "run loggers", loggers.finish, with_status=True)
     ckpt = CheckpointManager(
-        cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=listeners,
+        cfg.checkpoint, layout, run_config=cfg.to_dict(), listeners=[loggers.log_checkpoint],
         pretrained_source=functools.partial(pretrained_root, cfg),  # a Hugging Face directory is imported
     )
     # Closed before the mlflow run ends (the final save's listener logs to it) and before the
@@ -212,13 +213,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     resume_info = ckpt.resume(objs)
     if resume_info is not None:
         _report_schedule(scheduler)
-    if tracker is not None:
-        run_id = tracker.start(
-            cfg.flat_params(),
-            resume_run_id=train_state.experiment_run_id,
-            resume_step=resume_info.step if resume_info is not None else None,
-        )
-        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
+    _start_loggers(cfg, layout, loggers, tracker, train_state, resume_info)
     # The DataLoaders draw their seeds from their own generator (data.samplers), so building them
     # leaves the restored RNG state untouched: dropout after a resume matches an uninterrupted run.
     train_it, valid_it = _build_iterators(cfg, tokenizer, layout, train_state)
@@ -243,6 +238,7 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
         straggler=straggler,
         experiment_tracker=tracker,
         padded_vocab_size=provider.padded_vocab_size,  # type: ignore[attr-defined]
+        loggers=loggers,
     )
 
 
@@ -252,3 +248,28 @@ def _build_experiment_tracker(cfg: ConfigContainer, layout: runtime.ParallelLayo
     from tierstack.observability.experiment_tracker import ExperimentTracker
 
     return ExperimentTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)
+
+
+def _start_loggers(cfg: ConfigContainer, layout: runtime.ParallelLayout, loggers, tracker, train_state: TrainState,
+                   resume_info) -> None:
+    """Collective, after the resume: continue (or open) the mlflow run, then add TensorBoard
+    (``logger.tensorboard_dir``) and W&B (section ``wandb``) to ``loggers``, continuing the curves of
+    the run resumed at ``train_state.step`` (0: a fresh start)."""
+    if tracker is not None:
+        run_id = tracker.start(
+            cfg.flat_params(),
+            resume_run_id=train_state.experiment_run_id,
+            resume_step=resume_info.step if resume_info is not None else None,
+        )
+        train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
+    resume_step = train_state.step
+    tb_dir = cfg.logger.tensorboard_path()
+    if tb_dir is not None:
+        from tierstack.observability.tensorboard_logger import TensorBoardLogger
+
+        loggers.add(TensorBoardLogger(tb_dir, layout.rank, resume_step=resume_step, config=cfg.to_dict()))
+    if cfg.wandb is not None:
+        from tierstack.observability.wandb_logger import WandbLogger
+
+        loggers.add(WandbLogger(cfg.wandb, cfg.logger.run_dir, layout.rank, resume_step=resume_step,
+                                config=cfg.to_dict()))

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from tierstack.observability.megatron_log import NAN_ITERS, SKIPPED_ITERS, tracker_metrics
+from tierstack import runtime
+from tierstack.observability.profiler import StepProfiler
+from tierstack.observability.timers import CHECKPOINT, EVAL, PhaseTimers
+from tierstack.resiliency.time_budget import REASON_PREFIX as BUDGET_REASON, TimeBudget
 from tierstack.training.loop import BatchShape, evaluate, model_flops_per_iteration, train_step
 from tierstack.training.setup import SetupOutput
 from tierstack.train_state import TrainState
@@ -21,8 +25,32 @@ def _stop_reason(s: SetupOutput, exit_request, straggler_stop: Optional[str]) ->
     if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0:
         return f"train.exit_interval={cfg.train.exit_interval} reached at iteration {ts.step}"
     if exit_request is not None and exit_request.agreed():
-        return f"{exit_request.reason or 'signal'} received on some rank"
+        reasons = [r for r in exit_request.reasons() if r]  # the same list on every rank
+        signals = [r for r in reasons if not r.startswith(BUDGET_REASON)]
+        if signals or not reasons:  # a signal wins: it came from outside the job
+            return f"{signals[0] if signals else 'signal'} received on some rank"
+        return reasons[0]  # the time budget, as the first rank whose clock said so saw it
     return None
+
+
+class _Instruments(NamedTuple):
+    """What the loop measures with: throughput, per-phase timers, the profiler window, the budget."""
+
+    window: "_ThroughputWindow"
+    timers: PhaseTimers
+    profiler: StepProfiler
+    budget: Optional[TimeBudget]
+
+
+def _instruments(s: SetupOutput, flops_per_iter: float) -> _Instruments:
+    cfg = s.config
+    budget = TimeBudget(cfg.train.exit_duration_in_mins) if cfg.train.exit_duration_in_mins else None
+    return _Instruments(
+        window=_ThroughputWindow(flops_per_iter / s.layout.world_size),
+        timers=PhaseTimers(enabled=cfg.logger.timers),
+        profiler=StepProfiler(cfg.profile, cfg.logger.run_dir, s.layout.rank),
+        budget=budget,
+    )
 
 
 def train(
@@ -37,10 +65,12 @@ def train(
 
     Every rank runs this. After each step: evaluation by ``train.eval_interval``, the straggler
     report by its interval, a log line (every ``logger.log_interval``, the first step of a run or
-    resume, evaluations, the last step), then LOCAL/GLOBAL saves by interval (the checkpoint
+    resume, evaluations, the last step) to the console, the history and every run logger (with the
+    per-phase timers), then LOCAL/GLOBAL saves by interval (the checkpoint
     manager decides; a validation is proposed to it as a top-K best candidate first, so that with
     ``checkpoint.save_on_best`` the GLOBAL save of that step follows at once). Each step's result
-    goes to the manager's non-finite guard before anything else reads the step. A planned stop (exit_interval, SIGTERM, straggler) skips the interval saves
+    goes to the manager's non-finite guard before anything else reads the step. A planned stop
+    (exit_interval, SIGTERM, straggler, ``train.exit_duration_in_mins``) skips the interval saves
     and ends with the final save: the last state is always kept, in GLOBAL when configured.
 
     ``on_step(train_state, step_result)`` is called on every rank after each step (before
@@ -52,7 +82,6 @@ def train(
     from tierstack.checkpointing import TrainingObjects
 
     cfg, ts = s.config, s.train_state
-    objs = TrainingObjects(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, train_state=ts)
     if ts.step >= cfg.train.train_iters:
         log.info(
             "nothing to do: resumed at iteration %d and train.train_iters=%d; raise train.train_iters to go on",
@@ -60,51 +89,116 @@ def train(
             cfg.train.train_iters,
         )
         return ts
-    step_forward = forward_step_func
-    if s.straggler is not None:
-        # The whole step ends in a gradient all-reduce where a fast rank waits for a slow one, so
-        # step time alone hides a straggler on CPU; the forward step has no such wait.
-        step_forward = s.straggler.wrap_forward_step(forward_step_func)
-    m = cfg.model
-    flops_per_iter = model_flops_per_iteration(
-        global_batch_size=cfg.train.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
+    objs = TrainingObjects(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, train_state=ts)
+    flops_per_iter = _flops_per_iteration(s)
+    inst = _instruments(s, flops_per_iter)
+    if inst.budget is not None and exit_request is None:
+        from tierstack.resiliency.signals import ExitRequest
+
+        exit_request = ExitRequest(signals=())  # the ranks agree on the budget's stop through it
+    step_forward = inst.timers.wrap_forward(_forward_for(s, forward_step_func))
+    train_it = inst.timers.timed(s.train_data_iterator)
+    start_step, stop = ts.step, None
+    try:
+        while ts.step < cfg.train.train_iters:
+            result = _one_step(s, step_forward, train_it, inst)
+            _count(ts, cfg, result, flops_per_iter)
+            s.checkpoint_manager.observe_step(objs, result)  # non-finite guard: this rank's flag for the step
+            if on_step is not None:
+                on_step(ts, result)
+            straggler_stop = _after_step(s, forward_step_func, objs, result, inst, start_step, progress, history)
+            _check_budget(s, inst, exit_request)
+            stop = _stop_reason(s, exit_request, straggler_stop)
+            if stop:
+                break
+            with inst.timers.phase(CHECKPOINT):
+                s.checkpoint_manager.maybe_save(objs)
+            inst.profiler.step_end(ts.step)  # the whole iteration: step, eval, log line, saves
+    finally:
+        inst.profiler.close()  # a run that stops inside the window still writes its files
+    with runtime.nvtx_range("checkpoint_final"):
+        s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
+    if stop:
+        log.warning("stopping at iteration %d: %s", ts.step, stop)
+        s.loggers.set_tag("stop_reason", stop)
+    return ts
+
+
+def _flops_per_iteration(s: SetupOutput) -> float:
+    m = s.config.model
+    return model_flops_per_iteration(
+        global_batch_size=s.config.train.global_batch_size, seq_length=m.seq_length, num_layers=m.num_layers,
         hidden_size=m.hidden_size, vocab_size=s.padded_vocab_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
         gated_linear_unit=m.gated_linear_unit,
     )
-    shape = batch_shape(s)
-    window = _ThroughputWindow(flops_per_iter / s.layout.world_size)
-    start_step = ts.step
-    stop: Optional[str] = None
-    while ts.step < cfg.train.train_iters:
-        result = _run_step(s, step_forward, shape)
-        _count(ts, cfg, result, flops_per_iter)
-        s.checkpoint_manager.observe_step(objs, result)  # non-finite guard: this rank's flag for the step
-        if on_step is not None:
-            on_step(ts, result)
-        window.add(result)
-        metrics = {"loss": result.loss, "lr": _current_lr(s.optimizer), "grad_norm": result.grad_norm}
-        if cfg.train.eval_interval and s.valid_data_iterator is not None and ts.step % cfg.train.eval_interval == 0:
-            metrics["val_loss"] = evaluate(forward_step_func, s.valid_data_iterator, s.model, shape, cfg.train.eval_iters)
-            ts.consumed_valid_samples += cfg.train.eval_iters * cfg.train.global_batch_size
-            s.checkpoint_manager.propose_best(objs, metrics)  # a top-K candidate; saved (and committed) below
-        straggler_stop = _straggler_report(s, ts.step, metrics)
-        first_of_run = ts.step == start_step + 1  # shows where a run (or a resume) starts
-        if first_of_run or ts.step % cfg.logger.log_interval == 0 or ts.step == cfg.train.train_iters or "val_loss" in metrics:
-            metrics.update(window.take())
-            _publish_metrics(s, ts.step, metrics, progress, history)
-        elif progress is not None:
-            progress.advance(ts.step)
-        stop = _stop_reason(s, exit_request, straggler_stop)
-        if stop:
-            break
-        s.checkpoint_manager.maybe_save(objs)
-    s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
-    if stop:
-        log.warning("stopping at iteration %d: %s", ts.step, stop)
-        if s.experiment_tracker is not None:
-            s.experiment_tracker.set_tag("stop_reason", stop)
-    return ts
+
+
+def _forward_for(s: SetupOutput, forward_step_func: Callable) -> Callable:
+    if s.straggler is None:
+        return forward_step_func
+    # The whole step ends in a gradient all-reduce where a fast rank waits for a slow one, so
+    # step time alone hides a straggler on CPU; the forward step has no such wait.
+    return s.straggler.wrap_forward_step(forward_step_func)
+
+
+def _one_step(s: SetupOutput, step_forward: Callable, train_it, inst: _Instruments):
+    """One training step; the profiler window opens before the first step it covers (the loop
+    closes it after the last one's saves)."""
+    inst.profiler.step_begin(s.train_state.step + 1)
+    result = _run_step(s, step_forward, batch_shape(s), train_it, inst.timers)
+    inst.window.add(result)
+    return result
+
+
+def _after_step(s: SetupOutput, forward_step_func, objs, result, inst: _Instruments, start_step: int,
+                progress, history) -> Optional[str]:
+    """Evaluation, straggler report and the log line of the step just counted; returns a
+    straggler stop reason, if any."""
+    cfg, step = s.config, s.train_state.step
+    metrics = {"loss": result.loss, "lr": _current_lr(s.optimizer), "grad_norm": result.grad_norm}
+    if cfg.train.eval_interval and s.valid_data_iterator is not None and step % cfg.train.eval_interval == 0:
+        with inst.timers.phase(EVAL):
+            metrics["val_loss"] = evaluate(
+                forward_step_func, s.valid_data_iterator, s.model, batch_shape(s), cfg.train.eval_iters)
+        s.train_state.consumed_valid_samples += cfg.train.eval_iters * cfg.train.global_batch_size
+        s.checkpoint_manager.propose_best(objs, metrics)  # a top-K candidate; saved (and committed) below
+    straggler_stop = _straggler_report(s, step, metrics)
+    first_of_run = step == start_step + 1  # shows where a run (or a resume) starts
+    if first_of_run or step % cfg.logger.log_interval == 0 or step == cfg.train.train_iters or "val_loss" in metrics:
+        metrics.update(inst.window.take())
+        # collective (every rank logs at the same steps); memory: the largest over ranks, and which
+        metrics.update(inst.timers.take(per_rank=runtime.memory_report()) or runtime.memory_report())
+        metrics.update(_checkpoint_metrics(s))
+        _publish_metrics(s, step, metrics, progress, history)
+    elif progress is not None:
+        progress.advance(step)
+    return straggler_stop
+
+
+def _check_budget(s: SetupOutput, inst: _Instruments, exit_request) -> None:
+    """Ask for a planned exit when the next step and the final save would pass the time budget."""
+    if inst.budget is None or exit_request.reason is not None:
+        return
+    next_step_s = inst.window.last_step_s
+    final_save_s = s.checkpoint_manager.events[-1].seconds if s.checkpoint_manager.events else 0.0
+    if inst.budget.would_pass(next_step_s, final_save_s):
+        exit_request.request(inst.budget.reason())
+
+
+def _checkpoint_metrics(s: SetupOutput) -> dict:
+    """``checkpoint/<tier>_durable_s``: the last finalized save's time to its sealed agreement, per tier."""
+    from tierstack.checkpointing import CheckpointTier
+
+    out = {}
+    for tier in CheckpointTier:
+        try:
+            durable = s.checkpoint_manager.last_durable_s(tier)
+        except KeyError:  # the tier is off
+            continue
+        if durable is not None:
+            out[f"checkpoint/{tier.value}_durable_s"] = durable
+    return out
 
 
 class _ThroughputWindow:
@@ -113,9 +207,11 @@ class _ThroughputWindow:
     def __init__(self, flops_per_rank_per_iter: float = 0.0) -> None:
         self.seconds, self.tokens, self.steps = 0.0, 0, 0
         self.skipped, self.nan = 0, 0  # iterations whose update was skipped / whose loss was not finite
+        self.last_step_s = 0.0
         self.flops_per_rank_per_iter = flops_per_rank_per_iter  # model FLOPs of one iteration / world size
 
     def add(self, result) -> None:
+        self.last_step_s = result.seconds  # seconds of the latest step (the time budget's estimate)
         self.seconds += result.seconds
         self.tokens += result.tokens
         self.steps += 1
@@ -148,8 +244,8 @@ def batch_shape(s: SetupOutput) -> BatchShape:
     )
 
 
-def _run_step(s: SetupOutput, forward_step_func: Callable, shape: BatchShape):
-    args = (forward_step_func, s.train_data_iterator, s.model, s.optimizer, s.scheduler, shape)
+def _run_step(s: SetupOutput, forward_step_func: Callable, shape: BatchShape, data_iterator, timers):
+    args = (forward_step_func, data_iterator, s.model, s.optimizer, s.scheduler, shape, timers)
     if s.straggler is None:
         return train_step(*args)
     with s.straggler.step_section():
@@ -183,9 +279,7 @@ def _publish_metrics(s: SetupOutput, step: int, metrics: dict, progress, history
         progress.log_step(step, metrics)
     if history is not None:
         history.append(step, metrics)
-    if s.experiment_tracker is not None:  # logger.format=megatron: Megatron-LM's metric names
-        s.experiment_tracker.log_metrics(step, tracker_metrics(s.config.logger.format, metrics,
-                                                               s.config.train.global_batch_size))
+    s.loggers.log_metrics(step, tracker_metrics(s.config.logger.format, metrics, s.config.train.global_batch_size))
 
 
 def _current_lr(optimizer) -> float:

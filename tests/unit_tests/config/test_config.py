@@ -1,5 +1,7 @@
 """ConfigContainer: overrides and validation name the field to change, all problems at once."""
 
+from pathlib import Path
+
 import pytest
 
 from tierstack.config import ConfigContainer, ConfigError
@@ -233,3 +235,20 @@ def test_a_warmup_that_covers_the_whole_run_is_noted(capsys):
     assert cli.main(["pretrain", "gpt_tiny", "--dry-run", "--nproc-per-node", "2", "train.train_iters=10",
                      "scheduler.lr_warmup_iters=10"]) == 0
     assert "note: scheduler.lr_warmup_iters=10 covers the whole run" in capsys.readouterr().err
+
+
+def test_logger_wandb_profile_and_time_budget_fields_are_checked_and_named():
+    cfg = ConfigContainer().apply_overrides([
+        "train.exit_duration_in_mins=0", "wandb.mode=sometimes", "profile.enabled=true", "profile.step_start=3",
+        "profile.step_end=2", "profile.ranks=[0,4]", "logger.tensorboard_dir=null"])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(world_size=2, check_paths=False)
+    text = str(err.value)
+    for expected in ("train.exit_duration_in_mins=0.0: must be > 0 minutes or null",
+                     "wandb.mode='sometimes': use one of ['online', 'offline', 'disabled']",
+                     "profile.step_end=2 is before profile.step_start=3",
+                     "profile.ranks=[0, 4]: each rank must be < the world size 2"):
+        assert expected in text
+    assert cfg.logger.tensorboard_path() is None  # null: TensorBoard off
+    assert ConfigContainer().apply_overrides(["logger.run_dir=/r"]).logger.tensorboard_path() == Path("/r/tensorboard")
+    assert ConfigContainer().apply_overrides(["wandb=null"]).wandb is None

@@ -19,7 +19,7 @@ METRICS = {
 def test_line_reads_like_the_example():
     line = format_step_line(120, 200, METRICS)
     assert line == (
-        "iter 120/200 | loss 2.913 | val 2.801 | lr 2.1e-03 | grad norm 0.84 | 1712 tok/s | 1.21 s/it | eta 1m37s"
+        "iter 120/200 | loss 2.913 val 2.801 | lr 2.1e-03 gnorm 0.84 | 1712 tok/s 1.21 s/it | eta 1m37s"
     )
 
 
@@ -37,6 +37,31 @@ def test_straggler_scores_are_summarised_as_the_lowest_of_each_kind():
         "straggler/forward_step_individual_min": 0.9,
     }
     assert format_step_line(4, 16, metrics) == "iter 4/16 | loss 2.000 | straggler rel 0.04 ind 0.90"
+
+
+TIMERS = {
+    "timers/forward_backward_s": 1.0213, "timers/optimizer_s": 0.1234, "timers/data_s": 0.0112,
+    "timers/checkpoint_s": 0.0521, "timers/eval_s": 0.3099, "timers/slowest_rank": 1,
+}
+
+
+def test_timers_in_short_form_with_the_slowest_rank_and_namespaced_metrics_left_to_the_loggers():
+    metrics = {**METRICS, "tflops_per_rank": 0.01234, **TIMERS, "timers/eval_s": 0.001, "memory/rss_gib": 1.5,
+               "checkpoint/local_durable_s": 0.2}
+    line = format_step_line(120, 200, metrics)
+    assert line == ("iter 120/200 | loss 2.913 val 2.801 | lr 2.1e-03 gnorm 0.84 | 1712 tok/s 1.21 s/it 0.0123 TF/s"
+                    " | fb 1.02 opt 0.12 data 0.01 ckpt 0.05 max r1 | eta 1m37s")  # eval under 5 ms: left out
+
+
+def test_a_line_with_everything_fits_in_160_characters():
+    metrics = {**METRICS, "tflops_per_rank": 123.4, **TIMERS, "straggler/train_step_relative_min": 0.04,
+               "straggler/train_step_individual_min": 0.9, "tflops": 0.5, "skipped": 3}
+    for iteration, total in ((120, 200), (12345, 100000), (999999, 1000000)):
+        line = format_step_line(iteration, total, metrics)
+        assert len(line) <= 160, line
+        assert "fb 1.02 opt 0.12 data 0.01 ckpt 0.05 eval 0.31 max r1" in line  # the timers always fit
+    short = format_step_line(120, 200, metrics)
+    assert short.endswith("| eta 1m37s")  # the ETA is kept; what did not fit is left to the loggers
 
 
 def test_durations():

@@ -1,0 +1,130 @@
+"""RunLoggers: one interface over every logger that is on; TensorBoard's files read back with
+TensorBoard's own reader; W&B offline (no network) continuing one run id across a resume."""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from tierstack.checkpointing.types import CheckpointTier, SaveEvent
+from tierstack.observability.run_loggers import RunLoggers, numeric_items
+from tierstack.observability.tensorboard_logger import TensorBoardLogger
+
+
+class Recorder:
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def _record(self, *args):
+        self.calls.append(args)
+        if self.fail:
+            raise RuntimeError("tracker down")
+
+    def log_metrics(self, step, metrics):
+        self._record("metrics", step, dict(metrics))
+
+    def log_checkpoint(self, event):
+        self._record("checkpoint", event.step)
+
+    def set_tag(self, key, value):
+        self._record("tag", key, value)
+
+    def log_artifact(self, path, artifact_path=None):
+        self._record("artifact", str(path))
+
+    def finish(self, status="FINISHED"):
+        self._record("finish", status)
+
+
+def _event(step, tier=CheckpointTier.GLOBAL):
+    return SaveEvent(tier=tier, step=step, path=f"/ckpt/iter_{step:07d}", bytes=1234, seconds=0.5)
+
+
+def test_every_logger_gets_each_call_and_a_failing_one_never_stops_the_others(caplog):
+    broken, good = Recorder(fail=True), Recorder()
+    loggers = RunLoggers(None, broken)
+    loggers.add(good)
+    loggers.add(None)
+    assert len(loggers) == 2
+    with caplog.at_level(logging.ERROR):
+        loggers.log_metrics(3, {"loss": 2.5})
+        loggers.log_checkpoint(_event(4))
+        loggers.set_tag("stop_reason", "done")
+        loggers.finish("FAILED")
+    assert good.calls == [("metrics", 3, {"loss": 2.5}), ("checkpoint", 4), ("tag", "stop_reason", "done"),
+                          ("finish", "FAILED")]
+    assert len(broken.calls) == 4  # each call reached it too
+    assert "Recorder.log_metrics failed" in caplog.text
+
+
+def test_numeric_items_keep_finite_numbers_only():
+    import torch
+
+    assert numeric_items({"a": 1, "b": float("nan"), "c": None, "d": "x", "e": torch.tensor(2.0)}) == [
+        ("a", 1.0), ("e", 2.0)]
+
+
+def _scalars(log_dir: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
+
+
+def test_tensorboard_continues_the_curves_of_a_resumed_run(tmp_path):
+    first = TensorBoardLogger(tmp_path, rank=0, config={"train": {"train_iters": 6}})
+    for step in range(1, 6):
+        first.log_metrics(step, {"loss": float(step), "val_loss": None, "note": "x"})
+    first.log_checkpoint(_event(4))
+    first.log_checkpoint(_event(4, CheckpointTier.LOCAL))  # LOCAL saves are no events
+    # no finish(): the first run died after step 5; the resume is from step 3
+    second = TensorBoardLogger(tmp_path, rank=0, resume_step=3)
+    for step in range(4, 7):
+        second.log_metrics(step, {"loss": 10.0 * step})
+    second.finish()
+    scalars, acc = _scalars(tmp_path)
+    assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    assert scalars["checkpoint/global_bytes"] == []  # step 4 lies beyond the resume: purged with the rest
+    assert "config/text_summary" in acc.Tags()["tensors"]
+
+
+def test_a_fresh_start_in_the_same_directory_hides_the_earlier_runs_events(tmp_path):
+    old = TensorBoardLogger(tmp_path, rank=0)
+    for step in (1, 2, 3):
+        old.log_metrics(step, {"loss": 9.0})
+    old.finish()
+    new = TensorBoardLogger(tmp_path, rank=0)  # no checkpoint: a fresh start at step 0
+    new.log_metrics(1, {"loss": 1.0})
+    new.finish()
+    assert _scalars(tmp_path)[0]["loss"] == [(1, 1.0)]
+
+
+def test_tensorboard_writes_nothing_on_other_ranks(tmp_path):
+    logger = TensorBoardLogger(tmp_path / "tb", rank=1)
+    logger.log_metrics(1, {"loss": 1.0})
+    logger.finish()
+    assert not (tmp_path / "tb").exists()
+
+
+def test_wandb_offline_continues_one_run_id_across_a_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from tierstack.config import WandbConfig
+    from tierstack.observability.wandb_logger import RUN_ID_FILE, WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: never a server
+    cfg = WandbConfig(project="unit", mode="offline", tags=["t"])
+    first = WandbLogger(cfg, tmp_path, rank=0, config={"a": {"b": 1}})
+    first.log_metrics(1, {"loss": 2.0})
+    first.finish()
+    second = WandbLogger(cfg, tmp_path, rank=0, resume_step=1)
+    second.log_metrics(2, {"loss": 1.5})
+    second.finish("FAILED")
+    # a fresh start (step 0) is a new W&B run; no wandb.mode: $WANDB_MODE (offline here)
+    fresh = WandbLogger(WandbConfig(project="unit"), tmp_path, rank=0)
+    fresh.finish()
+    assert first.run_id == second.run_id != fresh.run_id
+    assert (tmp_path / RUN_ID_FILE).read_text().strip() == fresh.run_id
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{first.run_id}"))) == 2
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{fresh.run_id}"))) == 1
+    assert WandbLogger(cfg, tmp_path, rank=1).run_id is None  # other ranks: no run at all
