@@ -31,8 +31,8 @@ MEGATRON_LINE = re.compile(
 MEGATRON_VALIDATION = re.compile(
     rf" validation loss at iteration (?P<iteration>\d+) \| lm loss value: (?P<loss>{NUM}) \| lm loss PPL: (?P<ppl>{NUM}) \| $"
 )
-DEFAULT_LINE = re.compile(r"iter (?P<iteration>\d+)/\d+ \| loss (?P<loss>[\d.]+) \|.* lr (?P<lr>[\d.e+-]+) \| "
-                          r"grad norm (?P<grad_norm>[\d.]+) \|.* (?P<s_per_it>[\d.]+) s/it")
+DEFAULT_LINE = re.compile(r"iter (?P<iteration>\d+)/\d+ \| loss (?P<loss>[\d.]+)\b.* \| lr (?P<lr>[\d.e+-]+) "
+                          r"gnorm (?P<grad_norm>[\d.]+) \|.* (?P<s_per_it>[\d.]+) s/it")
 
 METRICS = {"loss": 2.91344, "val_loss": 2.80111, "lr": 2.1e-3, "grad_norm": 0.8412, "tokens_per_s": 1712.0,
            "step_time_s": 1.2134, "tflops_per_rank": 0.002}
