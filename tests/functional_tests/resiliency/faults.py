@@ -43,7 +43,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 def _fires(fault: dict, path) -> bool:
     if _RANK is None or int(fault.get("rank", _RANK)) != _RANK:
         return False
-    if not fnmatch.fnmatch(os.fspath(path), fault["path"]):
+    if not fnmatch.fnmatch(os.fsdecode(path), fault["path"]):  # bytes paths too (numpy, megatron)
         return False
     if fault.get("if_exists") and not glob.glob(fault["if_exists"]):
         return False
@@ -54,7 +54,7 @@ def _fires(fault: dict, path) -> bool:
         except FileExistsError:
             return False
     fd = _os_open(os.path.join(_DIR, "fired.log"), os.O_CREAT | os.O_APPEND | os.O_WRONLY)
-    os.write(fd, f"{fault['id']} {_RANK} {os.getpid()} {time.time():.3f} {os.fspath(path)}\n".encode())
+    os.write(fd, f"{fault['id']} {_RANK} {os.getpid()} {time.time():.3f} {os.fsdecode(path)}\n".encode())
     os.close(fd)
     return True
 
