@@ -190,10 +190,10 @@ else
   step environment 120 "torch, fused-kernel flags (all off on CPU)" \
     "$py" -c "import torch; print('torch', torch.__version__, 'cuda available', torch.cuda.is_available()); $flags"
 fi
-step gpu-items 600 "issue 26 fixes on this device: fusion flags per MLP, HF under the TE spec, replication rounds" \
+step gpu-items 600 "issue 26 fixes on this device: fusion flags per MLP, HF under the TE spec, replication rounds, one pinned staging region" \
   "$py" -m pytest -q -p no:cacheprovider -p no:randomly -rs tests/unit_tests/runtime/test_fusions.py \
   tests/unit_tests/hf/test_hf_layer_specs.py tests/unit_tests/hf/test_hf_roundtrip.py \
-  tests/unit_tests/checkpointing/test_replication_chunks.py
+  tests/unit_tests/checkpointing/test_replication_chunks.py tests/unit_tests/runtime/test_host_region.py
 step main-kill 240 "${device_args[*]}, async LOCAL+GLOBAL; SIGKILL after LOCAL step 15" kill_after_local_step
 step main-resume 240 "same command: resumes from LOCAL, finishes 30 iterations" resume_from_local
 # shellcheck disable=SC2086  # functional_paths is a list of paths

@@ -87,7 +87,7 @@ class Stager:
             if self._signature is not None:
                 log.info("%s staging: the state's shapes changed; reallocating the buffers", self.name)
             self._buffers = []  # drop the old ones before allocating the new
-            self._buffers = [runtime.empty_host_buffer(t) for t in tensors]
+            self._buffers = runtime.empty_host_buffers(tensors)  # one (pinned, on GPU) region, exact sizes
             self._signature = signature
             self.allocations += 1
             log.info("%s staging: %d buffers, %.3f GiB of host memory", self.name, len(self._buffers),

@@ -9,7 +9,7 @@ from tierstack.runtime import known_warnings
 
 known_warnings.install_import_filters()
 
-from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer  # noqa: E402
+from tierstack.runtime.host_copy import copy_to_host, empty_host_buffer, empty_host_buffers  # noqa: E402
 from tierstack.runtime.fusions import fusion_flags  # noqa: E402
 from tierstack.runtime import jit_fuser  # noqa: E402
 from tierstack.runtime.profiling import memory_report, nvtx_range, profiler_activities  # noqa: E402
@@ -36,6 +36,7 @@ if not has_gpu():
 __all__ = [
     "copy_to_host",
     "empty_host_buffer",
+    "empty_host_buffers",
     "ParallelLayout",
     "current_layout",
     "default_backend",

@@ -8,8 +8,10 @@ next optimizer step changes in place).
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
+import numpy
 import torch
 
 from tierstack.runtime.distributed import has_gpu
@@ -23,6 +25,57 @@ def empty_host_buffer(like: torch.Tensor) -> torch.Tensor:
     tensor, so views into one arena would be copied again at every save.
     """
     return torch.empty(tuple(like.shape), dtype=like.dtype, device="cpu", pin_memory=has_gpu())
+
+
+ALIGN_BYTES = 64  # each buffer of a region starts on a cache-line (and DMA-friendly) boundary
+
+
+def region_layout(likes: Sequence[torch.Tensor], align: int = ALIGN_BYTES) -> tuple[list[int], int]:
+    """Byte offsets of ``likes``' buffers in one host region, and the region's size in bytes.
+
+    Each buffer takes ``numel * element_size`` bytes, starting at a multiple of ``align``: the
+    region is the exact sum, plus at most ``align - 1`` bytes of padding per buffer.
+    """
+    offsets, total = [], 0
+    for t in likes:
+        total = -(-total // align) * align
+        offsets.append(total)
+        total += t.numel() * t.element_size()
+    return offsets, total
+
+
+def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None) -> list[torch.Tensor]:
+    """Contiguous host tensors of ``likes``' shapes and dtypes, carved from one region.
+
+    ``pin`` (default: when a GPU is in use): the region is page-locked once, with
+    ``cudaHostRegister``, instead of one ``pin_memory=True`` tensor per buffer, which torch's
+    pinned allocator rounds up to a power of two per request and caches when freed (up to 2x the
+    state in host memory, per tier). Each buffer is a ``torch.frombuffer`` tensor over its own
+    slice: its storage is exactly its size, so megatron-core's torch_dist writer, which clones any
+    CPU tensor whose storage is larger than the tensor, never clones one. The region is unpinned
+    and freed when the last buffer is gone.
+
+    Raises:
+        RuntimeError: ``cudaHostRegister`` failed (the CUDA error code is in the message).
+    """
+    pin = has_gpu() if pin is None else pin
+    offsets, total = region_layout(likes)
+    region = numpy.empty(max(total, 1), dtype=numpy.uint8)
+    if pin and total:
+        ptr = region.ctypes.data
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, total, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {total} bytes of staging memory failed (error {int(err)})")
+        weakref.finalize(region, cudart.cudaHostUnregister, ptr)
+    out = []
+    for t, off in zip(likes, offsets):
+        n = t.numel() * t.element_size()
+        if n == 0:
+            out.append(torch.empty(tuple(t.shape), dtype=t.dtype))
+            continue
+        out.append(torch.frombuffer(region[off:off + n], dtype=t.dtype).view(tuple(t.shape)))
+    return out
 
 
 def copy_to_host(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
