@@ -286,7 +286,7 @@ class GlobalTier(StagedTier):
                       job.step, e)
             self.failures.append(job.step)
             return
-        self.last_durable_s = time.perf_counter() - job.started
+        self.last_durable_s, self.last_blocked_s = time.perf_counter() - job.started, job.blocked_s
         self._after_publish(job.step, job.run_id, job.blocked_s + time.perf_counter() - t0, job.train_state)
 
     @staticmethod

@@ -265,7 +265,7 @@ class LocalTier(StagedTier):
             return
         self.sealed.append(job.step)
         self._run_id = job.run_id
-        self.last_durable_s = time.perf_counter() - job.started
+        self.last_durable_s, self.last_blocked_s = time.perf_counter() - job.started, job.blocked_s
         if self.layout.local_rank == 0:
             paths.write_run_file(self.root, job.run_id)
         budget = self.cfg.quarantine_budget_bytes

@@ -328,6 +328,10 @@ class CheckpointManager:
         sealed (LOCAL) or published (GLOBAL) on every rank; None before the first."""
         return self._tiers[tier].last_durable_s
 
+    def last_blocked_s(self, tier: CheckpointTier) -> Optional[float]:
+        """Seconds ``tier``'s last finalized save kept the training loop waiting; None before the first."""
+        return self._tiers[tier].last_blocked_s
+
     def retention_pending(self, tier: CheckpointTier) -> bool:
         """Whether ``tier``'s retention (deleting old checkpoints, in the background) still runs on this rank."""
         return bool(self._tiers[tier].retention_pending)

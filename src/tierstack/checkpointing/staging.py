@@ -147,6 +147,7 @@ class StagedTier:
         self.nonfinite: list[tuple[int, list[int]]] = []
         self._vetoed: set[int] = set()  # steps the guard blocked in another tier (see veto)
         self.last_durable_s: Optional[float] = None  # start of the last finalized save to its agreement
+        self.last_blocked_s: Optional[float] = None  # seconds that save kept the training loop waiting
         self._retention: Optional[_WriterThread] = None  # deletes old checkpoints off the training thread
         self._retention_jobs: list[Future] = []
         self._held_retention: list[tuple[int, Callable[[], object], str]] = []  # see _retain_when_settled

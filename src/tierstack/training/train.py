@@ -187,7 +187,8 @@ def _check_budget(s: SetupOutput, inst: _Instruments, exit_request) -> None:
 
 
 def _checkpoint_metrics(s: SetupOutput) -> dict:
-    """``checkpoint/<tier>_durable_s``: the last finalized save's time to its sealed agreement, per tier."""
+    """``checkpoint/<tier>_durable_s`` and ``checkpoint/<tier>_blocked_s``: the last finalized save's
+    time to its sealed agreement and the time it blocked the loop, per tier (seconds)."""
     from tierstack.checkpointing import CheckpointTier
 
     out = {}
@@ -198,6 +199,9 @@ def _checkpoint_metrics(s: SetupOutput) -> dict:
             continue
         if durable is not None:
             out[f"checkpoint/{tier.value}_durable_s"] = durable
+        blocked = s.checkpoint_manager.last_blocked_s(tier)
+        if blocked is not None:
+            out[f"checkpoint/{tier.value}_blocked_s"] = blocked
     return out
 
 

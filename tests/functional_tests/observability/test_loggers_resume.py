@@ -59,7 +59,8 @@ def test_tensorboard_and_wandb_continue_the_same_curves_after_a_kill(tmp_path):
         assert [e.step for e in acc.Scalars(key)] == list(range(1, 31)), key  # each step once, in order
     assert [e.step for e in acc.Scalars("val_loss")] == [5, 10, 15, 20, 25, 30]
     assert [e.step for e in acc.Scalars("checkpoint/global_bytes")] == [10, 20, 30]
-    assert {"checkpoint/local_durable_s", "checkpoint/global_durable_s"} <= tags
+    assert {"checkpoint/local_durable_s", "checkpoint/global_durable_s", "checkpoint/local_blocked_s",
+            "checkpoint/global_blocked_s"} <= tags
     straggler = sorted(t for t in tags if t.startswith("straggler/"))
     assert straggler  # the straggler scores, at their report steps
     for tag in tags:

@@ -110,7 +110,7 @@ class FakeTier:
         self.closed = True
         self.journal.append(("close_alone", self.tier.value))
 
-    retention_pending, last_durable_s = False, None
+    retention_pending, last_durable_s, last_blocked_s = False, None, None
 
     def wait_retention(self, timeout_s=None):
         self.journal.append(("wait_retention", self.tier.value))
