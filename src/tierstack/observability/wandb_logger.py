@@ -74,11 +74,12 @@ class WandbLogger:
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resume_step > 0 and id_file.is_file() else None
         os.environ.setdefault("WANDB_SILENT", "true")
-        self._run = wandb.init(
-            project=cfg.project, entity=cfg.entity, name=cfg.run_name, tags=list(cfg.tags), mode=_mode(cfg),
-            dir=str(cfg.dir or run_dir), id=run_id or uuid.uuid4().hex[:12], resume="allow",
-            config=dict(config or {}), settings=_settings(wandb),
-        )
+        kwargs = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name, tags=list(cfg.tags),
+                      mode=_mode(cfg), dir=str(cfg.dir or run_dir), id=run_id or uuid.uuid4().hex[:12],
+                      resume="allow", config=dict(config or {}), settings=_settings(wandb))
+        self._run = _init_waiting_for_a_killed_holder(wandb, kwargs)
+        if self._run is None:
+            return
         self.run_id = self._run.id
         tmp = id_file.with_suffix(".tmp")
         tmp.write_text(self.run_id + "\n")
@@ -118,3 +119,34 @@ class WandbLogger:
             return
         run, self._run = self._run, None
         run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+IN_USE_WAIT_S = 60.0  # how long a resume waits for a killed rank's W&B service to let go of the run
+
+
+def _init_waiting_for_a_killed_holder(wandb, kwargs: dict):
+    """``wandb.init(**kwargs)``; while W&B says the run id "is in use" (the service process of a rank
+    that was just killed still holds it, until it notices its parent is gone), try again with backoff
+    for up to :data:`IN_USE_WAIT_S` seconds (tenacity). Still held after that: say so once, naming the
+    run id, and go on without W&B (the other loggers and training are unaffected); None then.
+
+    Raises:
+        Any other error of ``wandb.init``.
+    """
+    import tenacity
+
+    def in_use(e: BaseException) -> bool:
+        return "is in use" in str(e)
+
+    try:
+        for attempt in tenacity.Retrying(retry=tenacity.retry_if_exception(in_use), reraise=True,
+                                         stop=tenacity.stop_after_delay(IN_USE_WAIT_S),
+                                         wait=tenacity.wait_exponential(multiplier=0.5, max=5.0)):
+            with attempt:
+                return wandb.init(**kwargs)
+    except Exception as e:  # noqa: BLE001 - only "in use" reaches here (reraise after the wait)
+        if not in_use(e):
+            raise
+        log.error("wandb: run %s is still held by another process after %.0f s (%s); this launch logs "
+                  "without W&B (TensorBoard, mlflow and metrics.jsonl go on)", kwargs["id"], IN_USE_WAIT_S, e)
+        return None

@@ -128,3 +128,34 @@ def test_wandb_offline_continues_one_run_id_across_a_resume(tmp_path, monkeypatc
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{first.run_id}"))) == 2
     assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{fresh.run_id}"))) == 1
     assert WandbLogger(cfg, tmp_path, rank=1).run_id is None  # other ranks: no run at all
+
+
+def test_wandb_init_waits_while_a_killed_ranks_service_still_holds_the_run(monkeypatch, caplog):
+    """Seen in a full-suite run: after SIGKILL of rank 0, the resumed launch's ``wandb.init`` got
+    "run ID ... is in use" from the killed rank's W&B service. It is tried again with backoff; an
+    error other than "in use" is raised at once; a holder that never lets go costs W&B, not the run."""
+    from tierstack.observability import wandb_logger
+
+    calls = []
+
+    class Held:
+        def __init__(self, held_times, other=None):
+            self.held_times, self.other = held_times, other
+
+        def init(self, **kwargs):
+            calls.append(kwargs["id"])
+            if self.other is not None:
+                raise self.other
+            if len(calls) <= self.held_times:
+                raise RuntimeError(f"run ID {kwargs['id']} is in use")
+            return "run"
+
+    assert wandb_logger._init_waiting_for_a_killed_holder(Held(2), {"id": "r1"}) == "run" and calls == ["r1"] * 3
+    calls.clear()
+    with pytest.raises(ValueError):
+        wandb_logger._init_waiting_for_a_killed_holder(Held(0, ValueError("bad entity")), {"id": "r1"})
+    assert calls == ["r1"]
+    calls.clear()
+    monkeypatch.setattr(wandb_logger, "IN_USE_WAIT_S", 0.5)
+    assert wandb_logger._init_waiting_for_a_killed_holder(Held(10**6), {"id": "r1"}) is None
+    assert "still held by another process" in caplog.text
