@@ -79,20 +79,6 @@ def test_agreement_with_a_missing_peer_fails_within_the_collective_timeout(tmp_p
     assert seconds < 30, seconds  # bounded by the 2 s timeout (plus start-up on a loaded machine)
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    """1-rank gloo group, with the CPU layer megatron-core's finalize needs on a CPU-only torch."""
-    from tierstack.runtime import cpu_compat
-
-    was_active = cpu_compat.is_active()
-    cpu_compat.activate()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-    if not was_active:
-        cpu_compat.deactivate()
-
-
 def test_megatron_plan_writes_nothing_on_rank0_and_the_common_state_is_a_shard(gloo_group, tmp_path):
     """megatron-core 0.19 has no rank-0-only write before its planning collectives (0.16 wrote
     ``common.pt`` there, which ``rank0_phases`` had to defer): planning writes no file at all, and the

@@ -12,19 +12,6 @@ import torch
 from tierstack.checkpointing import global_writer, manifest, paths, publish
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    from tierstack.runtime import cpu_compat
-
-    was_active = cpu_compat.is_active()
-    cpu_compat.activate()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-    if not was_active:
-        cpu_compat.deactivate()
-
-
 def _staged_step(root: Path, step: int) -> Path:
     """A staging directory as the GLOBAL tier leaves it before publish: megatron's files, ours, sealed."""
     from megatron.core import dist_checkpointing
