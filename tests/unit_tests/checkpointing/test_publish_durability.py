@@ -6,7 +6,6 @@ files; os.fsync and the rename recorded by wrappers)."""
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from tierstack.checkpointing import global_writer, manifest, paths, publish
