@@ -74,6 +74,7 @@ class WandbLogger:
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resume_step > 0 and id_file.is_file() else None
         os.environ.setdefault("WANDB_SILENT", "true")
+        _drop_an_inherited_service()
         kwargs = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name, tags=list(cfg.tags),
                       mode=_mode(cfg), dir=str(cfg.dir or run_dir), id=run_id or uuid.uuid4().hex[:12],
                       resume="allow", config=dict(config or {}), settings=_settings(wandb))
@@ -121,14 +122,39 @@ class WandbLogger:
         run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
+def _drop_an_inherited_service() -> bool:
+    """Forget a W&B service this process inherited (``$WANDB_SERVICE`` set by the process that
+    launched the job, e.g. a driver script or a test process that called ``wandb.init`` and then
+    ran torchrun), so that ``wandb.init`` starts a service owned by this rank.
+
+    Why: a shared service outlives a SIGKILLed rank 0 and keeps its run id registered ("run ID ...
+    is in use"), so every resume from the same driver would log without W&B. A service started by
+    this rank is given its PID (``wandb-core --pid``) and exits with it, freeing the id. The token's
+    format, ``<version>-<pid of the process that started the service>-unix-<socket>`` (or
+    ``-tcp-localhost-<port>``), is wandb's (``wandb/sdk/lib/service/service_token.py``); a token
+    this very process set (a second logger in one process) is kept.
+
+    Returns:
+        True when a token was dropped.
+    """
+    token = os.environ.get("WANDB_SERVICE", "")
+    parts = token.split("-", 2)
+    if len(parts) < 3 or parts[1] == str(os.getpid()):
+        return False
+    del os.environ["WANDB_SERVICE"]
+    log.info("wandb: not using the W&B service inherited from process %s; this rank starts its own", parts[1])
+    return True
+
+
 IN_USE_WAIT_S = 60.0  # how long a resume waits for a killed rank's W&B service to let go of the run
 
 
 def _init_waiting_for_a_killed_holder(wandb, kwargs: dict):
-    """``wandb.init(**kwargs)``; while W&B says the run id "is in use" (the service process of a rank
-    that was just killed still holds it, until it notices its parent is gone), try again with backoff
-    for up to :data:`IN_USE_WAIT_S` seconds (tenacity). Still held after that: say so once, naming the
-    run id, and go on without W&B (the other loggers and training are unaffected); None then.
+    """``wandb.init(**kwargs)``; while W&B says the run id "is in use" (another live client of the
+    same W&B service has it open: since :func:`_drop_an_inherited_service` that is only a process
+    of this job that shares this rank's own service), try again with backoff for up to
+    :data:`IN_USE_WAIT_S` seconds (tenacity). Still held after that: say so once, naming the run id,
+    and go on without W&B (the other loggers and training are unaffected); None then.
 
     Raises:
         Any other error of ``wandb.init``.

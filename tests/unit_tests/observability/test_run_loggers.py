@@ -2,6 +2,7 @@
 TensorBoard's own reader; W&B offline (no network) continuing one run id across a resume."""
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -113,10 +114,14 @@ def test_wandb_offline_continues_one_run_id_across_a_resume(tmp_path, monkeypatc
     from tierstack.observability.wandb_logger import RUN_ID_FILE, WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # belt and braces: never a server
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # wandb.init sets it; gone again after the test
     cfg = WandbConfig(project="unit", mode="offline", tags=["t"])
     first = WandbLogger(cfg, tmp_path, rank=0, config={"a": {"b": 1}})
     first.log_metrics(1, {"loss": 2.0})
     first.finish()
+    # wandb names an offline run's folder by its start, to the second: in one second, both starts
+    # would share one folder (a real restart takes seconds, a unit test does not)
+    time.sleep(1.01 - time.time() % 1.0)
     second = WandbLogger(cfg, tmp_path, rank=0, resume_step=1)
     second.log_metrics(2, {"loss": 1.5})
     second.finish("FAILED")
@@ -159,3 +164,50 @@ def test_wandb_init_waits_while_a_killed_ranks_service_still_holds_the_run(monke
     monkeypatch.setattr(wandb_logger, "IN_USE_WAIT_S", 0.5)
     assert wandb_logger._init_waiting_for_a_killed_holder(Held(10**6), {"id": "r1"}) is None
     assert "still held by another process" in caplog.text
+
+
+CHILD = """
+import sys
+from tierstack.config import WandbConfig
+from tierstack.observability import wandb_logger
+wandb_logger.IN_USE_WAIT_S = 3.0  # a failure shows in seconds, not a minute
+logger = wandb_logger.WandbLogger(WandbConfig(project="unit", mode="offline"), sys.argv[1], rank=0, resume_step=5)
+logger.log_metrics(6, {"loss": 1.0})
+logger.finish()
+print("RUN_ID", logger.run_id)
+"""
+
+DRIVER = """
+import os, subprocess, sys
+import wandb
+holder = wandb.init(project="unit", mode="offline", dir=sys.argv[1] + "/driver", id="held", resume="allow")
+assert os.environ.get("WANDB_SERVICE"), "wandb no longer leaves its service in the environment"
+child = subprocess.run([sys.executable, "-c", sys.argv[2], sys.argv[1]], capture_output=True, text=True, timeout=120)
+holder.finish()
+sys.stdout.write(child.stdout)
+sys.stderr.write(child.stderr)
+sys.exit(child.returncode)
+"""
+
+
+def test_a_rank_starts_its_own_wandb_service_not_the_one_its_launcher_left_in_the_environment(tmp_path):
+    """Found by CI: a process that called ``wandb.init`` keeps ``$WANDB_SERVICE`` in its environment;
+    a job it launches afterwards inherits it, so rank 0 registered its run in that long-lived service,
+    and after rank 0 was SIGKILLed the id stayed "in use" there: the resume logged without W&B.
+    Here a real driver process holds run ``held`` open in its service and starts a real child that
+    resumes the same run id: the child must get its own service, continue ``held``, write its own file."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("wandb")
+    from tierstack.observability.wandb_logger import RUN_ID_FILE
+
+    (tmp_path / RUN_ID_FILE).write_text("held\n")
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    done = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), CHILD], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RUN_ID held" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "still held by another process" not in done.stderr
+    assert len(list((tmp_path / "wandb").glob("offline-run-*-held/run-held.wandb"))) == 1
