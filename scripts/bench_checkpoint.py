@@ -305,13 +305,15 @@ def measure_guard(b: Bench, reps: int) -> dict[str, list[float]]:
 def measure_global_sync(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
     from tierstack.checkpointing import CheckpointTier
 
-    out: dict[str, list[float]] = {"blocking": [], "bytes": []}
+    out: dict[str, list[float]] = {"blocking": [], "bytes": [], "paired dcp.save": []}
     for _ in range(reps):
         b.objs.train_state.step += 1
         s, _ = timed(lambda: mgr.save(CheckpointTier.GLOBAL, b.objs))
         out["blocking"].append(s)  # sync: returns after fsync, manifest, rename, trackers
         out["bytes"].append(mgr.events[-1].bytes)
         mgr.wait()  # the retention it started (background, overlapping training) does not reach the next rep
+        # the peer at once, on the same state and page cache: a ratio per pair, free of drift
+        out["paired dcp.save"].append(peer_rep(b, "dcp.save", b.root / "paired")[1])
     return out
 
 
@@ -324,6 +326,8 @@ def measure_async(b: Bench, mgr, tier, reps: int, max_steps: int) -> dict[str, l
        is sealed: the extra time of those steps over a step without a save (GIL, memory bandwidth
        and cores shared with the writer).
     """
+    from tierstack.checkpointing import CheckpointTier
+
     out: dict[str, list[float]] = {k: [] for k in ("blocking", "durable", "extra", "steps", "base", "bytes")}
     for _ in range(reps):
         b.objs.train_state.step += 1
@@ -335,6 +339,11 @@ def measure_async(b: Bench, mgr, tier, reps: int, max_steps: int) -> dict[str, l
         out["durable"].append(max_over_ranks(mgr.last_durable_s(tier)))
         out["blocking"].append(blocking)
         out["bytes"].append(saved_bytes(b, mgr, tier))
+        if tier is CheckpointTier.GLOBAL:  # its peers at once, on the same state and page cache
+            blocking_a, durable_a, _ = peer_rep(b, "dcp.async_save", b.root / "paired")
+            out.setdefault("paired dcp.async_save blocking", []).append(blocking_a)
+            out.setdefault("paired dcp.async_save durable", []).append(durable_a)
+            out.setdefault("paired dcp.save", []).append(peer_rep(b, "dcp.save", b.root / "paired")[1])
         base = statistics.median(b.step() for _ in range(2))
         b.objs.train_state.step += 1
         mgr.save(tier, b.objs)
@@ -415,15 +424,20 @@ def mapped_bytes(roots: list[Path]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- peers
-def measure_peers(b: Bench, reps: int) -> dict[str, dict[str, list[float]]]:
+PEERS = ("torch.save", "dcp.save", "dcp.async_save")
+
+
+def peer_rep(b: Bench, name: str, d: Path) -> tuple[float, float, int]:
+    """One save of the same tensors by peer ``name`` into ``d`` (then removed): its blocking and
+    durable seconds (slowest rank) and the bytes it wrote (all ranks; 0 on other ranks)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    root = b.root / "peers"
-    pg = dist.new_group(backend="gloo")  # DCP's async collectives stay off the training group
-    dcp_sd = {f"rank{rank()}{k}": v for k, v in b.flat.items()}  # distinct keys: every rank writes its own
+    if getattr(b, "peer_pg", None) is None:
+        b.peer_pg = dist.new_group(backend="gloo")  # DCP's async collectives stay off the training group
+        b.dcp_sd = {f"rank{rank()}{k}": v for k, v in b.flat.items()}  # distinct keys: every rank writes its own
 
-    def torch_save(d: Path):
+    def torch_save():
         d.mkdir(parents=True, exist_ok=True)
         with open(d / f"rank{rank()}.pt", "wb") as f:
             torch.save(b.flat, f)
@@ -431,29 +445,30 @@ def measure_peers(b: Bench, reps: int) -> dict[str, dict[str, list[float]]]:
             os.fsync(f.fileno())
         return None
 
-    def dcp_save(d: Path):
-        dcp.save(dcp_sd, storage_writer=FileSystemWriter(str(d)), process_group=pg)
-        return None
+    fn = {"torch.save": torch_save,
+          "dcp.save": lambda: dcp.save(b.dcp_sd, storage_writer=FileSystemWriter(str(d)), process_group=b.peer_pg),
+          "dcp.async_save": lambda: dcp.async_save(b.dcp_sd, storage_writer=FileSystemWriter(str(d)),
+                                                   process_group=b.peer_pg)}[name]
+    dist.barrier()
+    t0 = time.perf_counter()
+    fut = fn()
+    blocking = max_over_ranks(time.perf_counter() - t0)
+    if fut is not None and hasattr(fut, "result"):
+        fut.result()
+    durable = max_over_ranks(time.perf_counter() - t0)
+    dist.barrier()
+    nbytes = bytes_under(d) if rank() == 0 else 0
+    remove(d)
+    return blocking, durable, nbytes
 
-    def dcp_async(d: Path):
-        return dcp.async_save(dcp_sd, storage_writer=FileSystemWriter(str(d)), process_group=pg)
 
+def measure_peers(b: Bench, reps: int) -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {}
-    for name, fn in (("torch.save", torch_save), ("dcp.save", dcp_save), ("dcp.async_save", dcp_async)):
+    for name in PEERS:
         res = out[name] = {"blocking": [], "durable": [], "bytes": []}
         for i in range(reps):
-            d = root / f"{name}-{i}"
-            dist.barrier()
-            t0 = time.perf_counter()
-            fut = fn(d)
-            blocking = max_over_ranks(time.perf_counter() - t0)
-            if fut is not None:
-                fut.result()
-            res["durable"].append(max_over_ranks(time.perf_counter() - t0))
-            res["blocking"].append(blocking)
-            dist.barrier()
-            res["bytes"].append(bytes_under(d) if rank() == 0 else 0)
-            remove(d)
+            for key, x in zip(("blocking", "durable", "bytes"), peer_rep(b, name, b.root / "peers" / f"{name}-{i}")):
+                res[key].append(x)
     return out
 
 
@@ -542,11 +557,30 @@ def report(b: Bench, args, lim, gs, ga, lo, lt, rg, rl, rt, peers, rss, guard) -
     print("checkpoint bytes still mapped after a resume (largest over ranks and repetitions; must be 0, or "
           "the cold figures were warm): " + ", ".join(f"{k} {max(v['mapped']):.0f} B" for k, v in
                                                        (("GLOBAL", rg), ("LOCAL", rl), ("LOCAL on tmpfs", rt))))
+    print(paired_report(gs, ga))
     wr = [("GLOBAL sync", statistics.median(gs["bytes"])), ("GLOBAL async", statistics.median(ga["bytes"])),
           ("LOCAL", statistics.median(lo["bytes"]))]
     wr += [(k, statistics.median(v["bytes"])) for k, v in peers.items()]
     print("bytes written per checkpoint / state bytes: "
           + ", ".join(f"{k} {v / total:.3f}" for k, v in wr))
+
+
+def paired_report(gs: dict, ga: dict) -> str:
+    """The GLOBAL figures against torch.distributed.checkpoint, repetition by repetition: each of
+    our saves was followed at once by the peer's on the same tensors, so both see the same page
+    cache and the same drift of the machine; the ratio is the median of the per-pair ratios."""
+    pairs = [("GLOBAL sync (=durable) / dcp.save", gs["blocking"], gs["paired dcp.save"]),
+             ("GLOBAL async blocking / dcp.async_save blocking", ga["blocking"], ga["paired dcp.async_save blocking"]),
+             ("GLOBAL async to durable / dcp.async_save to durable", ga["durable"], ga["paired dcp.async_save durable"]),
+             ("GLOBAL async to durable / dcp.save", ga["durable"], ga["paired dcp.save"])]
+    lines = ["GLOBAL against torch.distributed.checkpoint, paired repetitions (ours, then the peer at once, "
+             "same tensors): median of the per-pair ratios [each pair's ratio]; <= 1.00x: at least as fast"]
+    for name, ours, peer in pairs:
+        ratios = [o / p for o, p in zip(ours, peer)]
+        lines.append(f"  {name:<54} {statistics.median(ratios):5.2f}x  "
+                     f"[{', '.join(f'{r:.2f}' for r in ratios)}]  ours {statistics.median(ours):.3f} s, "
+                     f"peer {statistics.median(peer):.3f} s")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------- main
