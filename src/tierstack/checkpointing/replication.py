@@ -31,8 +31,8 @@ most :data:`CHUNK_BYTES` (one NVRx exchange each, every member taking part in ev
 empty chunk once its file is sent): a seal puts at most one chunk of its own and one received chunk
 on the device at a time, never the file (a whole file plus a received copy, about twice the training
 state, would not fit beside a real model). Each received chunk is copied to the host at once. The
-resume retrieval (:meth:`Replicator.retrieve`, NVRx point-to-point sends) still moves one whole file
-at a time through the device.
+resume retrieval (:meth:`Replicator.retrieve`, NVRx point-to-point sends) runs its plan in the same
+bounded rounds.
 """
 
 from __future__ import annotations
@@ -221,7 +221,9 @@ class Replicator:
 
     def retrieve(self, available: dict[int, list[str]], wanted: Sequence[str],
                  load: Callable[[str], FileReplica]) -> dict[str, tuple[FileReplica, int]]:
-        """Collective: fetch ``wanted`` ids from clique members that hold them.
+        """Collective: fetch ``wanted`` ids from clique members that hold them, in rounds of at
+        most :data:`CHUNK_BYTES` per file (one NVRx ``retrieve_execute`` of the same plan per round,
+        on every rank), so no more than a chunk of a file is on the device at a time.
 
         Args:
             available: global rank -> ids it holds (own files and replicas), for every rank of the job.
@@ -236,16 +238,23 @@ class Replicator:
         """
         strategy = self.strategy
         plan = _collective(lambda: strategy.retrieve_plan(available, list(wanted)), "LOCAL replica retrieval")
-        my_data = {}
-        for id_ in plan.required_ids():
-            replica = load(id_)
-            replica.data = self._staged(replica.data)
-            my_data[id_] = replica
-        received = _collective(lambda: strategy.retrieve_execute(plan, my_data), "LOCAL replica retrieval")
+        mine = {id_: load(id_) for id_ in plan.required_ids()}  # what this rank sends, on the host
+        # rounds as in replicate(): every rank runs the same number of NVRx exchanges of the plan
+        rounds = _dist.all_reduce_max(max([1] + [-(-int(r.data.numel()) // CHUNK_BYTES) for r in mine.values()]))
         senders = {e.id_: e.sender for e in plan.entries if e.receiver == self.rank}
-        out = {}
-        for id_, replica in received.items():
-            if id_ in wanted:
-                replica.data = replica.host_bytes()
-                out[id_] = (replica, senders.get(id_, self.rank))
-        return out
+        files: dict[str, FileReplica] = {}
+        for i in range(rounds):
+            lo = i * CHUNK_BYTES
+            my_data = {id_: FileReplica(r.owner, r.step, r.manifest if i == 0 else {},
+                                        self._staged(r.data[lo:lo + CHUNK_BYTES]), int(r.data.numel()))
+                       for id_, r in mine.items()}
+            received = _collective(lambda: strategy.retrieve_execute(plan, my_data), "LOCAL replica retrieval")
+            for id_, chunk in received.items():
+                if id_ not in wanted:
+                    continue
+                if i == 0:  # the manifest and the whole size travel with round 0
+                    files[id_] = FileReplica(chunk.owner, chunk.step, chunk.manifest,
+                                             torch.empty(max(chunk.total, 0), dtype=torch.uint8))
+                part = chunk.host_bytes()  # off the device before the next round
+                files[id_].data[lo:lo + part.numel()] = part
+        return {id_: (r, senders.get(id_, self.rank)) for id_, r in files.items()}
