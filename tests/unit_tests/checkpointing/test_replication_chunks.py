@@ -64,7 +64,8 @@ def _retrieve_worker(rank: int, init: str, out: str) -> None:
     from tierstack.checkpointing import replication
     from tierstack.runtime import cpu_compat
 
-    cpu_compat.activate()  # NVRx receives into torch.empty_like(..., device="cuda"): the host here, as in a run
+    if not torch.cuda.is_available():  # NVRx receives into empty_like(..., device="cuda"): the host, as in a CPU run
+        cpu_compat.activate()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     staged, received = [], []
     replication.CHUNK_BYTES = CHUNK
