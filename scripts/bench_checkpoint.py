@@ -20,6 +20,7 @@ Everything is measured in one run, on the same model + optimizer state, on every
 Each figure is the median of ``--reps`` repetitions, with min and max; ratios are medians over medians.
 
 Run: .venv/bin/torchrun --nproc-per-node 2 scripts/bench_checkpoint.py [--scale default|1gib] [--reps N]
+     [--only global]  (the GLOBAL figures paired with dcp only)
      [--profile global-sync|global-async|local|resume-global|resume-local]  (cProfile on rank 0, one save)
 """
 
@@ -638,6 +639,9 @@ def parse_args():
     ap.add_argument("--max-async-steps", type=int, default=40, help="steps at most while an async save runs")
     ap.add_argument("--rss-saves", type=int, default=None,
                     help="saves per tier for the resident-memory check (default 20; 10 at 1gib)")
+    ap.add_argument("--only", choices=("global",),
+                    help="only the GLOBAL save figures, each paired with torch.distributed.checkpoint (quicker, "
+                         "so more --reps fit)")
     ap.add_argument("--profile", choices=("global-sync", "global-async", "local", "resume-global", "resume-local"),
                     help="only profile this path once (cProfile, rank 0) instead of benchmarking")
     args = ap.parse_args()
@@ -685,6 +689,12 @@ def main() -> int:
             mgrs["local"].save(CheckpointTier.LOCAL, b.objs)
             mgrs["local"].wait()
         profile_one(b, mgrs, args.profile, cfgs)
+    elif args.only == "global":
+        gs = measure_global_sync(b, mgrs["global-sync"], args.reps)
+        ga = measure_async(b, mgrs["global-async"], CheckpointTier.GLOBAL, args.reps, args.max_async_steps)
+        if rank() == 0:
+            print(f"\n== GLOBAL saves, scale={args.scale}, {args.reps} reps; state per rank "
+                  f"{b.state_bytes / 2**30:.3f} GiB\n" + paired_report(gs, ga))
     else:
         G, L = CheckpointTier.GLOBAL, CheckpointTier.LOCAL
         lim = measure_limits(b, args.reps)
