@@ -261,9 +261,9 @@ def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0
         nproc_per_node: ranks to start.
         max_restarts: torchrun's ``--max-restarts``: after a rank fails, torchrun stops the others
             and starts all of them again, up to this many times (the job-wide count is kept in
-            ``<logger.run_dir>/restarts.json``). With restarts the ranks host their own rendezvous
-            store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless set), so that no restarted rank
-            reads a peer's address from before the restart.
+            ``<logger.run_dir>/restarts.json``). The ranks' process groups keep to keys of their own
+            start in torchrun's shared store (:mod:`tierstack.runtime.attempt_store`), so no
+            restarted rank reads a peer's address from before the restart.
         shutdown_grace_s: how long torchrun waits for the ranks after forwarding a stop signal
             before it SIGKILLs them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, torchrun's default 30 s,
             unless set): what a planned exit's checkpoint needs
@@ -284,8 +284,6 @@ def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)  # its rendezvous INFO lines
-    if max_restarts:
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if shutdown_grace_s is not None:  # torchrun's 30 s would SIGKILL a planned exit's save
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(shutdown_grace_s)))
     forwarded = ["--signals-to-handle", f"{TORCHRUN_SIGNALS},{exit_signal}"] if exit_signal else []
