@@ -66,7 +66,8 @@ def run(
         starts) or on another :class:`~tierstack.errors.BadInputError` of setup (damaged data files,
         a checkpoint that does not fit the run, checkpoints of no recorded run: rank 0 prints the
         message, every other rank one line); with ``--nproc-per-node``, the launch's status (see
-        :func:`launch`). Other errors propagate with their traceback.
+        :func:`launch`). Other errors propagate with their traceback; under torchrun the rank
+        then ends right after it is printed (:func:`~tierstack.resiliency.fast_exit.exit_after_traceback`).
     """
     known, overrides = _parse_flags(sys.argv[1:] if argv is None else argv)
     nproc = known.nproc_per_node
@@ -118,6 +119,12 @@ def run(
         if under_torchrun():
             _exit_with_the_other_ranks(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
+    except Exception:
+        if under_torchrun():  # torchrun restarts once every rank has ended: end right after the traceback
+            from tierstack.resiliency.fast_exit import exit_after_traceback
+
+            exit_after_traceback()
+        raise
     return 0
 
 
