@@ -65,11 +65,8 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # The agents are torchrun processes: they import torch without tierstack's warning filters
 # (runtime/known_warnings.py), and each printed torch's pynvml deprecation notice.
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:The pynvml package is deprecated:FutureWarning:torch.cuda}"
-# A fresh TCPStore per rendezvous round. torchrun (2.13) shares one store across rounds by default
-# and the ranks' process-group keys are not prefixed per attempt: after a restart, a rank can read
-# the address its peer had before the restart and fail with "Gloo connectFullMesh failed ...
-# Connection refused" (seen here whenever the restart of the two agents is not simultaneous).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+# torchrun (2.13) keeps one store, hosted by agent 0, across the restarts; the ranks' process groups
+# use keys of their own start in it (src/tierstack/runtime/attempt_store.py), so nothing is set here.
 
 PIDS=()
 # A signal to this script goes to every agent (torchrun turns it into SIGTERM to its ranks, whose

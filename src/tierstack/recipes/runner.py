@@ -66,7 +66,8 @@ def run(
         starts) or on another :class:`~tierstack.errors.BadInputError` of setup (damaged data files,
         a checkpoint that does not fit the run, checkpoints of no recorded run: rank 0 prints the
         message, every other rank one line); with ``--nproc-per-node``, the launch's status (see
-        :func:`launch`). Other errors propagate with their traceback.
+        :func:`launch`). Other errors propagate with their traceback; under torchrun the rank
+        then ends right after it is printed (:func:`~tierstack.resiliency.fast_exit.exit_after_traceback`).
     """
     known, overrides = _parse_flags(sys.argv[1:] if argv is None else argv)
     nproc = known.nproc_per_node
@@ -118,6 +119,12 @@ def run(
         if under_torchrun():
             _exit_with_the_other_ranks(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
+    except Exception:
+        if under_torchrun():  # torchrun restarts once every rank has ended: end right after the traceback
+            from tierstack.resiliency.fast_exit import exit_after_traceback
+
+            exit_after_traceback()
+        raise
     return 0
 
 
@@ -261,9 +268,9 @@ def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0
         nproc_per_node: ranks to start.
         max_restarts: torchrun's ``--max-restarts``: after a rank fails, torchrun stops the others
             and starts all of them again, up to this many times (the job-wide count is kept in
-            ``<logger.run_dir>/restarts.json``). With restarts the ranks host their own rendezvous
-            store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless set), so that no restarted rank
-            reads a peer's address from before the restart.
+            ``<logger.run_dir>/restarts.json``). The ranks' process groups keep to keys of their own
+            start in torchrun's shared store (:mod:`tierstack.runtime.attempt_store`), so no
+            restarted rank reads a peer's address from before the restart.
         shutdown_grace_s: how long torchrun waits for the ranks after forwarding a stop signal
             before it SIGKILLs them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, torchrun's default 30 s,
             unless set): what a planned exit's checkpoint needs
@@ -284,8 +291,6 @@ def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)  # its rendezvous INFO lines
-    if max_restarts:
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if shutdown_grace_s is not None:  # torchrun's 30 s would SIGKILL a planned exit's save
         os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(shutdown_grace_s)))
     forwarded = ["--signals-to-handle", f"{TORCHRUN_SIGNALS},{exit_signal}"] if exit_signal else []

@@ -73,3 +73,11 @@ def record_start(run_dir: Path) -> Optional[dict]:
     if n and _dist.rank() == 0:
         log.warning("restart %d of at most %d (job-wide count in %s)", n, max_restarts, Path(run_dir) / RESTARTS_FILE)
     return record
+
+
+def launcher_restarts_left() -> int:
+    """How many more times this rank's torchrun agent restarts the ranks after a failure:
+    ``TORCHELASTIC_MAX_RESTARTS - TORCHELASTIC_RESTART_COUNT`` (each agent counts the failures of
+    its own ranks, see the module docstring); 0 outside torchrun."""
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return max(0, max_restarts - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tierstack.runtime import cpu_compat, known_warnings
+from tierstack.runtime import attempt_store, cpu_compat, known_warnings
 from tierstack.runtime.devices import default_backend, device, has_gpu  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -149,11 +149,14 @@ def initialize_distributed(
         seed: base seed; megatron offsets it per TP rank for the model-parallel RNG stream, and
             pipeline stages get ``seed + 100 * pp_rank`` (the Megatron-LM convention).
         backend: override of :func:`default_backend`.
-        timeout_s: collective timeout in seconds.
+        timeout_s: collective timeout in seconds; it also bounds the ranks' meeting in torchrun's
+            shared store (:func:`~tierstack.runtime.attempt_store.attempt_store`).
 
     Raises:
         ValueError: world size not divisible by TP * PP (names the distributed.* fields), or on a
             GPU machine ``LOCAL_RANK`` without a CUDA device (see :func:`check_device_ordinal`).
+        attempt_store.StartHandshakeError: under torchrun's shared store, the ranks of this start
+            did not all meet within ``timeout_s``.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -177,12 +180,14 @@ def initialize_distributed(
         check_device_ordinal(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        # Under torchrun's shared store, the keys of this start only (restarts: see attempt_store).
+        store = dist.HashStore() if single else attempt_store.attempt_store(rank, world_size, timeout_s)
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
-            **({"store": dist.HashStore()} if single else {}),
+            **({"store": store} if store is not None else {}),
             **process_group_device(backend, local_rank),
         )
     from tierstack.runtime import collectives

@@ -40,7 +40,7 @@ def run_reporters(s):
     Yields ``(progress, history)`` for :func:`tierstack.training.train.train`. On rank 0 only:
     ``<run_dir>/metrics.jsonl`` (continued across resumes) and ``<run_dir>/loss_curve.png``
     (train and validation loss, checkpoint and resume steps marked; ``logger.loss_curve``), also
-    logged to mlflow.
+    logged to mlflow; not after an error that torchrun restarts the ranks for (the next start draws it).
     """
     from tierstack.observability.console import ProgressLogger
     from tierstack.observability.history import MetricsHistory
@@ -74,11 +74,15 @@ def run_reporters(s):
         # (not with an error of this rank's own in flight: CheckpointManager.close).
         s.checkpoint_manager.close(error)
         if rank == 0 and cfg.logger.loss_curve:
-            _write_loss_curve(s, history, run_dir)
+            # A start that failed and that torchrun restarts leaves the image to the next start
+            # (the plot took 0.5 s here, and torchrun waits for every rank before it restarts).
+            from tierstack.resiliency.restarts import launcher_restarts_left
+
+            _write_loss_curve(s, history, run_dir, plot=error is None or not launcher_restarts_left())
 
 
-def _write_loss_curve(s, history, run_dir: Path) -> None:
-    """Record this run's checkpoints in the history, then plot the whole history (all runs)."""
+def _write_loss_curve(s, history, run_dir: Path, plot: bool = True) -> None:
+    """Record this run's checkpoints in the history, then (``plot``) plot the whole history (all runs)."""
     from tierstack.checkpointing import CheckpointTier
     from tierstack.observability.plots import plot_loss_curve
 
@@ -88,6 +92,8 @@ def _write_loss_curve(s, history, run_dir: Path) -> None:
             for step in s.checkpoint_manager.saved_steps(tier):
                 if step not in recorded.get(tier.name, []):
                     history.add_checkpoint(step, tier)
+        if not plot:
+            return
         out = plot_loss_curve(
             history.metrics(), run_dir / "loss_curve.png", history.checkpoint_steps(), history.resume_steps()
         )

@@ -10,7 +10,10 @@ restart count is the job-wide one of ``<logger.run_dir>/restarts.json`` (the sam
 
 Fault: with ``TIERSTACK_TEST_KILL_AT=<step>`` and ``TIERSTACK_TEST_KILL_NODE=<group rank>``, the
 ranks of that node SIGKILL themselves after that step, in the first start of the launch only
-(job-wide restart count 0), and print the node's ``checkpoint.local_dir`` first.
+(job-wide restart count 0), and print the node's ``checkpoint.local_dir`` first;
+``TIERSTACK_TEST_KILL_RANK=<rank>`` instead of the node: only that rank (one torchrun, one node).
+Each line also says whether torchrun's agent hosted the ranks' store (``agent_store``:
+``TORCHELASTIC_USE_AGENT_STORE``), the case where a restart used to read the dead start's keys.
 With ``TIERSTACK_TEST_HANG_AT=<step>`` and ``TIERSTACK_TEST_HANG_RANK=<rank>`` that rank stops
 there instead (sleeps; a hung rank), in the first start only.
 Before that, every rank waits for the checkpoint saves in flight (``CheckpointManager.wait``, a
@@ -54,6 +57,7 @@ def main() -> None:
     launch = os.environ.get("TIERSTACK_TEST_LAUNCH", "")
     kill_at = int(os.environ.get("TIERSTACK_TEST_KILL_AT", "0"))
     kill_node = int(os.environ.get("TIERSTACK_TEST_KILL_NODE", "-1"))
+    kill_rank = int(os.environ.get("TIERSTACK_TEST_KILL_RANK", "-1"))
     hang_at = int(os.environ.get("TIERSTACK_TEST_HANG_AT", "0"))
     hang_rank = int(os.environ.get("TIERSTACK_TEST_HANG_RANK", "-1"))
     unsealed = os.environ.get("TIERSTACK_TEST_KILL_UNSEALED") == "1"
@@ -95,7 +99,8 @@ def main() -> None:
     def on_step(ts, result):
         restart = json.loads(restarts_file.read_text())["restarts"] if restarts_file.exists() else 0
         record.write(json.dumps({"launch": launch, "restart": restart, "step": ts.step,
-                                 "loss": float(result.loss).hex()}) + "\n")
+                                 "loss": float(result.loss).hex(),
+                                 "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")}) + "\n")
         record.flush()
         if ts.step in (kill_at, hang_at) and restart == 0 and unsealed:
             # Each rank waits for its own LOCAL writer (write, then the replication exchange) and no
@@ -110,7 +115,7 @@ def main() -> None:
         if ts.step == hang_at and rank == hang_rank and restart == 0:
             print(f"HANGING rank {rank} after step {ts.step}", flush=True)
             time.sleep(3600)
-        if ts.step == kill_at and node == kill_node and restart == 0:
+        if ts.step == kill_at and (node == kill_node or rank == kill_rank) and restart == 0:
             print(f"KILLING node {node} rank {rank} after step {ts.step}; local_dir={cfg.checkpoint.local_dir}",
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
