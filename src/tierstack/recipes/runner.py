@@ -6,11 +6,12 @@ Two ways in, one code path:
   trains; a config error is printed once (rank 0) and every rank exits 2 (the others after rank 0,
   so that torchrun cannot stop rank 0 before it printed). torchrun itself then reports the failed
   ranks (its ``ChildFailedError``: a launcher cannot be told that a child's exit was a clean
-  refusal). A rank whose peer died says so in one line and keeps its traceback in its log file
-  (``logger.rank_log_dir``; :mod:`~tierstack.recipes.rank_exit`);
+  refusal); rank 0 writes the refusal into torchrun's error file, so that report ends with it
+  (:mod:`~tierstack.recipes.rank_exit`). A rank whose peer died says so in one line and keeps its
+  traceback in its log file (``logger.rank_log_dir``);
 - with ``--nproc-per-node N`` and no torchrun around (``tierstack pretrain gpt_tiny --nproc-per-node 2``,
   ``python recipes/gpt_tiny.py --nproc-per-node 2``), this process validates the config for a world
-  of N ranks first: a config error ends here with the error alone
+  of N ranks first, and the data files the run trains on: an error ends here with the error alone
   and exit status 2, before any rank exists; a valid config is handed to torchrun's own launcher
   (standalone rendezvous on a free port, :mod:`~tierstack.recipes.launch`), which says what
   happens to the ranks in one line per event.
@@ -93,15 +94,23 @@ def run(
         config.validate(world_size, check_paths=nproc is not None or not under_torchrun() or world_size == 1)
     except ConfigError as exc:
         _report(str(exc))
-        if nproc is None and under_torchrun() and world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
-            rank_exit.leave_after_rank_0(CONFIG_ERROR_STATUS)
+        if nproc is None and under_torchrun():
+            if int(os.environ.get("RANK", "0")) == 0:
+                rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
+            elif world_size > 1:
+                rank_exit.leave_after_rank_0(CONFIG_ERROR_STATUS)
         return CONFIG_ERROR_STATUS
     if known.dry_run:
+        if (nproc is not None or not under_torchrun()) and not _data_files_fit(config):
+            return BAD_INPUT_STATUS
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"dry run: the config is valid for {world_size} rank(s); nothing was built or started", flush=True)
         return 0
     if nproc is not None:
         from tierstack.resiliency.signals import planned_exit_grace_s
+
+        if not _data_files_fit(config):  # before any rank exists: the error alone, exit status 2
+            return BAD_INPUT_STATUS
 
         file_args = ["--config-file", known.config_file] if known.config_file else []
         return launch([*(rank_command or [sys.argv[0]]), *file_args, *overrides], nproc_per_node=nproc,
@@ -129,6 +138,8 @@ def _pretrain_here(config: ConfigContainer) -> int:
                     logging.basicConfig(level=logging.INFO, format="%(message)s")
                 log.error("rank %s stopped: bad input (rank 0 says which)", rank)
         if under_torchrun():
+            if rank == 0:
+                rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
             rank_exit.exit_now(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
     except Exception as exc:
@@ -141,6 +152,23 @@ def _pretrain_here(config: ConfigContainer) -> int:
         rank_exit.report_peer_loss(rank, lost, str(log_file) if log_file else None)
         rank_exit.leave_after_peer_loss()
     return 0
+
+
+def _data_files_fit(config: ConfigContainer) -> bool:
+    """The launcher's check of the data files before it starts any rank (what setup checks on every
+    rank: :func:`~tierstack.data.datasets.check_training_data`); False after printing the refusal.
+    The built-in corpus and mock data are left to the ranks (nothing of the user's to check)."""
+    if config.dataset.mock or config.dataset.data_path is None:
+        return True
+    from tierstack.data.datasets import check_training_data
+    from tierstack.data.tokenizers import build_tokenizer
+
+    try:
+        check_training_data(config.dataset, build_tokenizer(config.tokenizer))
+    except BadInputError as exc:
+        _report(str(exc))
+        return False
+    return True
 
 
 def resolve_config(config_fn: Callable[[], ConfigContainer], overrides: Sequence[str],

@@ -48,6 +48,9 @@ _IMPORT_TIME = (
     # megatron-core 0.19 at import: absl-py is optional for its logging; MimoModelConfig (multimodal) is new.
     (r"absl\.logging is not installed", UserWarning, r"megatron\.core\.hyper_comm_grid\Z"),
     (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo\..*\Z"),
+    # megatron-core 0.19 in a process that is no rank (the launcher, preprocess, convert): its logging
+    # helper asks for a rank and warns that it found none (the process is rank 0 of nothing).
+    (r"Could not determine rank from torch\.distributed", UserWarning, r"megatron\.core\._rank_utils\Z"),
 )
 # (logger name, message regex): records that loggers (not warnings.warn) emit, matched from the start.
 _LOG_RECORDS = (
