@@ -55,8 +55,10 @@ class _FailureLines(logging.Filter):
         if self.failures <= self.max_restarts:
             nxt = (f"restart {self.failures} of {self.max_restarts}: every rank starts again and resumes from the "
                    "newest checkpoint")
-        else:
+        elif self.max_restarts:
             nxt = f"no restart left (--max-restarts={self.max_restarts}): the job stops"
+        else:
+            nxt = "the job stops (no --max-restarts)"
         print(f"tierstack: rank {local_rank} (pid {pid}) {exit_text(exitcode)}; {nxt}", file=sys.stderr, flush=True)
         return False
 

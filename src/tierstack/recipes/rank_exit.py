@@ -97,14 +97,15 @@ def what_torchrun_does_next() -> str:
     most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     if done < most:
         return f"restart {done + 1} of {most} follows"
-    return f"no restart left (--max-restarts={most}): the job stops"
+    return f"no restart left (--max-restarts={most}): the job stops" if most else "the job stops (no --max-restarts)"
 
 
 def report_peer_loss(rank: int, what: str, log_file: Optional[str]) -> None:
     """The survivor's one console line: which rank stopped, why, what the job does next, where the
     traceback went (the caller logged it to the rank's log file)."""
     where = f"; traceback in {log_file}" if log_file else ""
-    line = f"rank {rank} stopped: another rank is gone ({what.rstrip('.')}); {what_torchrun_does_next()}{where}"
+    cause = "a rank is gone or hung" if what.startswith("timed out") else "another rank is gone"
+    line = f"rank {rank} stopped: {cause} ({what.rstrip('.')}); {what_torchrun_does_next()}{where}"
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     log.error("%s", line)
