@@ -70,23 +70,62 @@ def _cmd_pretrain(items: list[str]) -> int:
     return run(config_fn, items, rank_command=["-m", "tierstack.cli", "pretrain", name])
 
 
+# Megatron-LM's --tokenizer-type names (tools/preprocess_data.py): the one tierstack has, and the others
+MEGATRON_TOKENIZER_TYPES = {"HuggingFaceTokenizer": "huggingface"}
+_MEGATRON_ONLY_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                             "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+                             "NullTokenizer")
+TOKENIZER_TYPES = ("byte", "huggingface", *MEGATRON_TOKENIZER_TYPES)
+
+
+def _tokenizer_type(name: str) -> str:
+    """``--tokenizer-type``: tierstack's name for ``name`` (Megatron-LM's ``HuggingFaceTokenizer`` is
+    ``huggingface``). Raises ValueError naming what to use instead."""
+    if name in ("byte", "huggingface"):
+        return name
+    if name in MEGATRON_TOKENIZER_TYPES:
+        return MEGATRON_TOKENIZER_TYPES[name]
+    if name in _MEGATRON_ONLY_TOKENIZERS:
+        raise ValueError(f"--tokenizer-type {name}: Megatron-LM's tokenizer, which tierstack does not have; use "
+                         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model <tokenizer.json or its directory> "
+                         "(the model's Hugging Face tokenizer), or --tokenizer-type byte")
+    raise ValueError(f"--tokenizer-type {name}: use one of {', '.join(TOKENIZER_TYPES)}")
+
+
 def _cmd_preprocess(args: argparse.Namespace) -> int:
     from tierstack.config import TokenizerConfig
-    from tierstack.data.preprocess import preprocess
+    from tierstack.data.preprocess import preprocess, preprocess_json_keys
     from tierstack.data.tokenizers import build_tokenizer
 
-    tok = build_tokenizer(TokenizerConfig(tokenizer_type=args.tokenizer_type, tokenizer_path=args.tokenizer_path))
     try:
-        stats = preprocess(args.input, args.output_prefix, tok, append_eod=not args.no_eod)
+        tok = build_tokenizer(TokenizerConfig(tokenizer_type=_tokenizer_type(args.tokenizer_type),
+                                              tokenizer_path=args.tokenizer_path))
+        kw = dict(append_eod=not args.no_eod, workers=args.workers)
+        if len(args.json_keys) == 1:
+            written = [preprocess(args.input, args.output_prefix, tok, json_key=args.json_keys[0], **kw)]
+        else:
+            written = list(preprocess_json_keys(args.input, args.output_prefix, tok, args.json_keys, **kw).values())
     except (ValueError, FileNotFoundError) as exc:
         print(f"tierstack preprocess: {exc}", file=sys.stderr)
         return 2
-    print(
-        f"wrote {stats.bin_path} and {stats.idx_path}: {stats.num_documents} documents, "
-        f"{stats.num_tokens} tokens ({stats.dtype}) from {stats.num_files} file(s) in {stats.seconds:.1f} s; "
-        f"tokenizer and max token id {stats.max_token_id} recorded in {stats.sidecar_path}"
-    )
+    for stats in written:
+        print(
+            f"wrote {stats.bin_path} and {stats.idx_path}: {stats.num_documents} documents, "
+            f"{stats.num_tokens} tokens ({stats.dtype}) from {stats.num_files} file(s) in {stats.seconds:.1f} s; "
+            f"tokenizer and max token id {stats.max_token_id} recorded in {stats.sidecar_path}"
+        )
     return 0
+
+
+class _NotOffered(argparse.Action):
+    """A flag of Megatron-LM's ``preprocess_data.py`` that tierstack does not offer: refused by name."""
+
+    def __init__(self, option_strings, dest, nargs="?", **kw):
+        super().__init__(option_strings, dest, nargs=nargs, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: a flag of Megatron-LM's preprocess_data.py that tierstack preprocess does not "
+                     "offer (no sentence splitting, input partitions or vocab/merge-file tokenizers); leave it out")
 
 
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
@@ -151,12 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("pretrain", add_help=False, help="pretrain with a recipe (gpt_tiny unless named); "
                    "`tierstack pretrain --help` lists the recipes and flags")
 
-    pp = sub.add_parser("preprocess", help="text / JSONL files -> Megatron indexed dataset (.bin/.idx)")
-    pp.add_argument("--input", nargs="+", required=True, help="text files (one document each) or .jsonl")
+    pp = sub.add_parser("preprocess", help="text / JSONL files -> Megatron indexed dataset (.bin/.idx)",
+                        description="Tokenize text and JSONL files into a Megatron indexed dataset. The flags "
+                        "are Megatron-LM's tools/preprocess_data.py ones where they mean the same.")
+    pp.add_argument("--input", nargs="+", required=True, help="text files (one document each) or .jsonl files "
+                    "(one document per line), read in this order")
+    pp.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                    help="JSONL fields to tokenize (default: text); one key writes OUTPUT_PREFIX.bin/.idx, several "
+                    "write one dataset per key, OUTPUT_PREFIX_<key>_document.bin/.idx (Megatron-LM's names)")
     pp.add_argument("--output-prefix", required=True, help="output path without .bin/.idx")
-    pp.add_argument("--tokenizer-type", default="byte", choices=["byte", "huggingface"])
-    pp.add_argument("--tokenizer-path", help="tokenizer.json for --tokenizer-type huggingface")
-    pp.add_argument("--no-eod", action="store_true", help="do not end documents with the EOD token")
+    pp.add_argument("--tokenizer-type", default="byte", metavar="TYPE",
+                    help=f"one of {', '.join(TOKENIZER_TYPES)} (HuggingFaceTokenizer, Megatron-LM's name, is "
+                    "huggingface); default byte")
+    pp.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_path",
+                    help="tokenizer.json (or its directory) for a Hugging Face tokenizer")
+    pp.add_argument("--workers", type=int, default=1, help="processes that tokenize (default 1); the output is "
+                    "the same, byte for byte, for any number")
+    eod = pp.add_mutually_exclusive_group()
+    eod.add_argument("--append-eod", action="store_true",
+                     help="end each document with the EOD token: the default here (Megatron-LM's flag, accepted)")
+    eod.add_argument("--no-eod", action="store_true", help="do not end documents with the EOD token")
+    for flag in ("--split-sentences", "--keep-newlines", "--partitions", "--vocab-file", "--merge-file", "--lang",
+                 "--keep-sequential-samples", "--log-interval"):
+        pp.add_argument(flag, action=_NotOffered)
     pp.set_defaults(func=_cmd_preprocess)
 
     ck = sub.add_parser("checkpoints", help="list or verify checkpoints of both tiers")
@@ -192,6 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_logging() -> None:
+    """The commands other than ``pretrain`` log as ``pretrain`` does: tierstack's own INFO lines (as
+    plain messages), every library's warnings, and none of the libraries' INFO notices (megatron-core
+    logs its DDP and optimizer configs, and Megatron-FSDP notices, at INFO); no progress bars of
+    Hugging Face ``transformers`` while it loads or saves weights."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("tierstack").setLevel(logging.INFO)
+    try:
+        from transformers.utils import logging as hf_logging  # the `hf` extra; absent: nothing to quiet
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``tierstack`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -199,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = _cmd_pretrain(argv[1:])
     else:
         args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        _quiet_logging()
         status = args.func(args)
     from tierstack.runtime import process_exiting
 

@@ -10,6 +10,7 @@ from typing import Iterable
 
 from tierstack.checkpointing.types import CheckpointTierHandler
 from tierstack.runtime import collectives
+from tierstack.runtime.failures import FILE_ONLY, peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,12 @@ def close_alone(handlers: Iterable[CheckpointTierHandler], error: BaseException)
     """Not collective: ``close_alone()`` every tier (its save in flight abandoned unpublished, its
     writer not waited for), then wait for its retention (bounded by the tier). A failure is logged:
     ``error``, what ended the run, is the outcome."""
-    log.warning("rank %d stops on an error of its own (%s): its checkpoints are closed without the other ranks",
-                collectives.rank(), type(error).__name__)
+    if peer_lost(error):  # the rank's one console line says so (recipes.runner); the log file keeps this
+        log.warning("rank %d stops: another rank is gone; its checkpoints are closed without the other ranks",
+                    collectives.rank(), extra=FILE_ONLY)
+    else:
+        log.warning("rank %d stops on an error of its own (%s): its checkpoints are closed without the other ranks",
+                    collectives.rank(), type(error).__name__)
     for handler in handlers:
         try:
             handler.close_alone()

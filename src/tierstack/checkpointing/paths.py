@@ -33,12 +33,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from tierstack.config.pretrained_spec import step_dir_name  # noqa: F401 - the one definition, re-exported
+from tierstack.config.pretrained_spec import TRACKER_ITERATION, step_dir_name  # noqa: F401 - the one definition, re-exported
 
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
-TRACKER_ITERATION = "latest_checkpointed_iteration.txt"
 TRACKER_TRAIN_STATE = "latest_train_state.pt"
 MANIFEST = "manifest.json"
 RUN_CONFIG = "run_config.yaml"

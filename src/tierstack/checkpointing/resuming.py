@@ -112,16 +112,16 @@ def _fresh_start(cfg: CheckpointConfig, layout: ParallelLayout, handlers: Sequen
     same_run = run_family.check_fresh_start(cfg, chosen, list(handlers), family)
     run_id = family if same_run and family else _dist.broadcast_object(uuid.uuid4().hex[:12])
     objs.train_state.run_id = run_id
-    # Claim the tier roots for this run now, so a crash before the first GLOBAL save still
-    # leaves LOCAL checkpoints of a recognisable family.
-    for handler in handlers:
-        handler.claim(run_id)
-    _dist.barrier()
-    if cfg.pretrained_checkpoint:
+    if cfg.pretrained_checkpoint:  # before the claim: a refused start leaves no run.json behind
         path = best.resolve_pretrained(cfg.pretrained_checkpoint)  # `<root>:best`: the best tracker's step
         if pretrained_source is not None:
             path = pretrained_source(path)
         GlobalReader(cfg, layout).load_pretrained(path, objs, run_config=run_config)
+    # Claim the tier roots for this run now, before any save, so a crash before the first GLOBAL
+    # save still leaves LOCAL checkpoints of a recognisable family.
+    for handler in handlers:
+        handler.claim(run_id)
+    _dist.barrier()
     if _dist.rank() == 0:
         log.info("no checkpoint to resume from: fresh start, run %s", run_id)
     return None

@@ -43,6 +43,16 @@ class LoggerConfig(_Section):
     # the log line and the experiment tracker's metric names: "tierstack", or "megatron" (Megatron-LM's
     # training log line and metric names: lm loss, learning-rate, grad-norm, ...)
     format: str = "tierstack"
+    # every rank's own log file, <rank_log_dir>/rank<R>.log (appended across restarts): its INFO lines
+    # and warnings, and the traceback of an error that stopped it, which the console gets as one
+    # line when another rank is gone; "{run_dir}" stands for logger.run_dir; null = off.
+    rank_log_dir: Optional[str] = "{run_dir}/logs"
+
+    def rank_log_path(self, rank: int) -> Optional[Path]:
+        """``<rank_log_dir>/rank<rank>.log`` with ``{run_dir}`` replaced, or None when the files are off."""
+        if self.rank_log_dir is None:
+            return None
+        return Path(self.rank_log_dir.replace(RUN_DIR_TOKEN, self.run_dir)) / f"rank{rank}.log"
 
     def tensorboard_path(self) -> Optional[Path]:
         """``tensorboard_dir`` with ``{run_dir}`` replaced, or None when TensorBoard is off."""
@@ -60,9 +70,16 @@ class LoggerConfig(_Section):
         return p
 
     def path_problems(self) -> list[str]:
-        """``tensorboard_dir`` creatable and writable as this process sees it (rank 0 writes it)."""
+        """``tensorboard_dir`` and ``rank_log_dir`` creatable and writable as this process sees it."""
+        out = []
         problem = writable_dir_problem(None if self.tensorboard_dir is None else str(self.tensorboard_path()))
-        return [f"logger.tensorboard_dir={self.tensorboard_path()}: {problem}"] if problem else []
+        if problem:
+            out.append(f"logger.tensorboard_dir={self.tensorboard_path()}: {problem}")
+        log_path = self.rank_log_path(0)
+        problem = writable_dir_problem(None if log_path is None else str(log_path.parent))
+        if problem:
+            out.append(f"logger.rank_log_dir={log_path.parent}: {problem}")
+        return out
 
 
 @dataclass(kw_only=True)

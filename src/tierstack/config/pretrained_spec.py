@@ -1,7 +1,7 @@
 """What ``checkpoint.pretrained_checkpoint`` names: a path, or ``<GLOBAL root>:best``.
 
-This is the lowest layer that needs two names of the GLOBAL layout (the step directory's name and
-the ``best`` tracker's file name), so they are defined here once: ``checkpointing.paths`` and
+This is the lowest layer that needs three names of the GLOBAL layout (the step directory's name and
+the ``best`` and latest trackers' file names), so they are defined here once: ``checkpointing.paths`` and
 ``checkpointing.best`` use these, and config validation can resolve a ``:best`` spec without
 importing the checkpointing package (which imports config).
 """
@@ -12,6 +12,7 @@ from pathlib import Path
 
 BEST_SUFFIX = ":best"
 TRACKER_BEST = "best_checkpointed_iteration.txt"
+TRACKER_ITERATION = "latest_checkpointed_iteration.txt"  # a GLOBAL root's newest step
 
 
 def step_dir_name(step: int) -> str:

@@ -321,7 +321,7 @@ class CheckpointConfig(_Section):
 def _pretrained_problems(spec: str) -> list[str]:
     """``checkpoint.pretrained_checkpoint``: a path that exists, or ``<GLOBAL root>:best`` whose
     ``best`` tracker names a step directory that exists."""
-    from tierstack.config.pretrained_spec import BEST_SUFFIX, resolve_pretrained
+    from tierstack.config.pretrained_spec import BEST_SUFFIX, TRACKER_ITERATION, resolve_pretrained
 
     if spec.endswith(BEST_SUFFIX):
         try:
@@ -329,8 +329,13 @@ def _pretrained_problems(spec: str) -> list[str]:
         except FileNotFoundError as e:
             return [str(e)]
         return []
-    if not Path(spec).exists():
+    path = Path(spec)
+    if not path.exists():
         return [f"checkpoint.pretrained_checkpoint={spec}: not found"]
+    if not (path.name.startswith("iter_") or (path / TRACKER_ITERATION).is_file() or (path / "config.json").is_file()):
+        return [f"checkpoint.pretrained_checkpoint={spec}: holds no checkpoint; give a GLOBAL step directory "
+                f"(iter_NNNNNNN), a GLOBAL root with {TRACKER_ITERATION}, <root>:best, or a Hugging Face "
+                "directory with config.json"]
     return []
 
 

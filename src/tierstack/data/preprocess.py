@@ -19,16 +19,16 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from tierstack.data.checks import sidecar_path, write_sidecar
+from tierstack.data.documents import JSONL_SUFFIXES, encoded  # noqa: F401 - JSONL_SUFFIXES re-exported
 
 logger = logging.getLogger(__name__)
 
-JSONL_SUFFIXES = (".jsonl",)
 # Directories left out of the built-in corpus: test suites are ~60% of the stdlib's bytes, are
 # repetitive, and include files with deliberately broken encodings.
 _STDLIB_EXCLUDED_DIRS = frozenset(
@@ -68,65 +68,27 @@ class PreprocessStats:
     seconds: float
 
 
-def _documents(path: Path) -> Iterator[str]:
-    """Yield the documents of one file.
-
-    A ``.jsonl`` file yields the ``"text"`` of each non-blank line; any other file is one document,
-    decoded as UTF-8 with invalid bytes replaced by U+FFFD.
-
-    Raises:
-        ValueError: a JSONL line that is not UTF-8 or JSON, or has no ``"text"`` string; the message
-            names the file and the 1-based line number.
-    """
-    if path.suffix.lower() not in JSONL_SUFFIXES:
-        yield path.read_bytes().decode("utf-8", errors="replace")
-        return
-    with open(path, "rb") as stream:
-        for lineno, raw in enumerate(stream, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise ValueError(f"{path}:{lineno}: not a valid JSON line ({err})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: the record has no \"text\" string")
-            yield text
-
-
-def _encode(tokenizer, text: str, append_eod: bool) -> np.ndarray:
-    """Token ids of one document as a 1-D int64 array, with the end id appended if asked.
-
-    Raises:
-        ValueError: the tokenizer returned an id outside ``0 .. vocab_size - 1``.
-    """
-    fast = getattr(tokenizer, "tokenize_array", None)
-    ids = fast(text) if fast is not None else np.asarray(tokenizer.tokenize(text), dtype=np.int64)
-    if append_eod:
-        ids = np.concatenate([ids, np.asarray([tokenizer.eod], dtype=ids.dtype)])
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
-        raise ValueError(
-            f"tokenizer returned ids in {int(ids.min())}..{int(ids.max())}, outside its "
-            f"vocabulary 0..{tokenizer.vocab_size - 1}"
-        )
-    return ids
-
-
 def preprocess(
     inputs: Sequence[str | Path],
     output_prefix: str | Path,
     tokenizer,
     append_eod: bool = True,
+    *,
+    json_key: str = "text",
+    workers: int = 1,
 ) -> PreprocessStats:
     """Tokenize files into ``<output_prefix>.bin`` / ``.idx`` (megatron-core ``IndexedDataset``).
 
     Args:
-        inputs: plain text files (one document each) and ``.jsonl`` files (one ``{"text": ...}``
-            document per line; blank lines are skipped), read in the order given.
+        inputs: plain text files (one document each) and ``.jsonl`` files (one document per line,
+            its ``json_key`` string; blank lines are skipped), read in the order given.
         output_prefix: path without extension; parent directories are created.
-        tokenizer: anything with ``tokenize(str) -> list[int]``, ``eod`` and ``vocab_size``.
+        tokenizer: anything with ``tokenize(str) -> list[int]``, ``eod`` and ``vocab_size``
+            (picklable when ``workers > 1``).
         append_eod: end every document with ``tokenizer.eod`` (GPT-style document separation).
+        json_key: the JSONL field that holds the text.
+        workers: processes that tokenize (a :class:`multiprocessing.Pool`); the files written are
+            the same, byte for byte, for any number.
 
     Each document is one sequence and one document of the indexed dataset. Ids are stored as
     ``uint16`` when the vocabulary has fewer than 65500 ids, else ``int32`` (megatron-core's
@@ -142,62 +104,104 @@ def preprocess(
 
     Raises:
         FileNotFoundError: an input is missing.
-        ValueError: a bad JSONL line (file and 1-based line number named), no inputs, or ids outside
-            the vocabulary.
+        ValueError: a bad JSONL line (file and 1-based line number named), no inputs, ``workers < 1``,
+            or ids outside the vocabulary.
     """
+    return _write(inputs, {json_key: Path(output_prefix)}, tokenizer, append_eod, workers)[json_key]
+
+
+def json_key_prefix(output_prefix: str | Path, key: str) -> Path:
+    """``<output_prefix>_<key>_document``: where :func:`preprocess_json_keys` writes ``key``'s dataset
+    (Megatron-LM's ``preprocess_data.py`` name for it)."""
+    return Path(f"{output_prefix}_{key}_document")
+
+
+def preprocess_json_keys(
+    inputs: Sequence[str | Path],
+    output_prefix: str | Path,
+    tokenizer,
+    json_keys: Sequence[str],
+    append_eod: bool = True,
+    *,
+    workers: int = 1,
+) -> dict[str, PreprocessStats]:
+    """Like :func:`preprocess`, one dataset per JSONL key, each read from the same records:
+    ``<output_prefix>_<key>_document.bin/.idx`` (:func:`json_key_prefix`), with its own sidecar.
+    Every input must be ``.jsonl`` and every record must hold a string under every key.
+
+    Returns:
+        The stats of each key's dataset, by key.
+
+    Raises:
+        ValueError: as :func:`preprocess`; a record without one of the keys (file, line and key
+            named); no key or a key named twice; a plain text input.
+    """
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise ValueError(f"--json-keys {' '.join(json_keys)}: give one or more different keys")
+    return _write(inputs, {k: json_key_prefix(output_prefix, k) for k in json_keys}, tokenizer, append_eod, workers)
+
+
+def _write(inputs, prefixes: dict[str, Path], tokenizer, append_eod: bool, workers: int) -> dict[str, PreprocessStats]:
+    """Tokenize ``inputs`` into one dataset per key of ``prefixes``; temporary names until the end."""
     t0 = time.perf_counter()
     paths = [Path(p) for p in inputs]
     if not paths:
         raise ValueError("preprocess needs at least one input file")
+    if workers < 1:
+        raise ValueError(f"--workers={workers}: give a number >= 1")
     for p in paths:
         if not p.is_file():
             raise FileNotFoundError(f"preprocess input {str(p)!r} is not a file")
-    prefix = Path(output_prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
     tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp_bin, tmp_idx = bin_path + tag, idx_path + tag
-
-    num_docs = num_skipped = num_tokens = bytes_read = 0
-    max_id = -1
-    builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+    out: dict[str, dict] = {}
+    keys = list(prefixes)
     try:
-        for path in paths:
-            bytes_read += path.stat().st_size
-            for text in _documents(path):
-                ids = _encode(tokenizer, text, append_eod)
-                if ids.size == 0:
-                    num_skipped += 1
-                    continue
-                builder.add_document(ids, [int(ids.size)])
-                max_id = max(max_id, int(ids.max()))
-                num_docs += 1
-                num_tokens += int(ids.size)
-        builder.finalize(tmp_idx)
-        sidecar_path(prefix).unlink(missing_ok=True)  # never leave an old sidecar beside new files
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
-        sidecar = write_sidecar(prefix, tokenizer, max_token_id=max_id, num_documents=num_docs,
-                                num_tokens=num_tokens, dtype=np.dtype(dtype).name)
+        for key, prefix in prefixes.items():
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            out[key] = {"prefix": prefix, "tmp_bin": f"{prefix}.bin{tag}", "tmp_idx": f"{prefix}.idx{tag}",
+                        "docs": 0, "skipped": 0, "tokens": 0, "max_id": -1}
+            out[key]["builder"] = IndexedDatasetBuilder(out[key]["tmp_bin"], dtype=dtype)
+        for ids_per_key in encoded(paths, keys, tokenizer, append_eod, workers):
+            for key, ids in zip(keys, ids_per_key):
+                _add(out[key], ids)
+        for o in out.values():
+            o["builder"].finalize(o["tmp_idx"])
+        stats = {key: _publish(o, tokenizer, np.dtype(dtype).name) for key, o in out.items()}
     finally:
-        builder.data_file.close()
-        for leftover in (tmp_bin, tmp_idx):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return PreprocessStats(
-        num_files=len(paths),
-        num_documents=num_docs,
-        num_skipped_empty=num_skipped,
-        num_tokens=num_tokens,
-        bytes_read=bytes_read,
-        dtype=np.dtype(dtype).name,
-        max_token_id=max_id,
-        bin_path=bin_path,
-        idx_path=idx_path,
-        sidecar_path=str(sidecar),
-        seconds=time.perf_counter() - t0,
-    )
+        for o in out.values():
+            if "builder" in o:
+                o["builder"].data_file.close()
+            for leftover in (o["tmp_bin"], o["tmp_idx"]):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+    seconds, bytes_read = time.perf_counter() - t0, sum(p.stat().st_size for p in paths)
+    return {key: PreprocessStats(num_files=len(paths), bytes_read=bytes_read, seconds=seconds, **st)
+            for key, st in stats.items()}
+
+
+def _add(o: dict, ids: np.ndarray) -> None:
+    """One document into a key's builder (an empty one is skipped and counted)."""
+    if ids.size == 0:
+        o["skipped"] += 1
+        return
+    o["builder"].add_document(ids, [int(ids.size)])
+    o["max_id"] = max(o["max_id"], int(ids.max()))
+    o["docs"] += 1
+    o["tokens"] += int(ids.size)
+
+
+def _publish(o: dict, tokenizer, dtype: str) -> dict:
+    """Rename a key's finished files into place, then write its sidecar; the fields of its stats."""
+    prefix = o["prefix"]
+    bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
+    sidecar_path(prefix).unlink(missing_ok=True)  # never leave an old sidecar beside new files
+    os.replace(o["tmp_bin"], bin_path)
+    os.replace(o["tmp_idx"], idx_path)
+    sidecar = write_sidecar(prefix, tokenizer, max_token_id=o["max_id"], num_documents=o["docs"],
+                            num_tokens=o["tokens"], dtype=dtype)
+    return dict(num_documents=o["docs"], num_skipped_empty=o["skipped"], num_tokens=o["tokens"], dtype=dtype,
+                max_token_id=o["max_id"], bin_path=bin_path, idx_path=idx_path, sidecar_path=str(sidecar))
 
 
 def stdlib_corpus_files() -> list[Path]:

@@ -4,13 +4,17 @@ Two ways in, one code path:
 
 - under torchrun (``torchrun --nproc-per-node 2 recipes/gpt_tiny.py k=v``), each rank validates and
   trains; a config error is printed once (rank 0) and every rank exits 2 (the others after rank 0,
-  so that torchrun cannot stop rank 0 before it printed). torchrun itself then
-  reports the failed ranks (its ``ChildFailedError``): a launcher cannot be told that a child's
-  exit was a clean refusal;
+  so that torchrun cannot stop rank 0 before it printed). torchrun itself then reports the failed
+  ranks (its ``ChildFailedError``: a launcher cannot be told that a child's exit was a clean
+  refusal); rank 0 writes the refusal into torchrun's error file, so that report ends with it
+  (:mod:`~tierstack.recipes.rank_exit`). A rank whose peer died says so in one line and keeps its
+  traceback in its log file (``logger.rank_log_dir``);
 - with ``--nproc-per-node N`` and no torchrun around (``tierstack pretrain gpt_tiny --nproc-per-node 2``,
   ``python recipes/gpt_tiny.py --nproc-per-node 2``), this process validates the config for a world
-  of N ranks first: a config error ends here with the error alone and exit status 2, before any rank
-  exists; a valid config is handed to torchrun's own launcher (standalone rendezvous on a free port).
+  of N ranks first, and the data files the run trains on: an error ends here with the error alone
+  and exit status 2, before any rank exists; a valid config is handed to torchrun's own launcher
+  (standalone rendezvous on a free port, :mod:`~tierstack.recipes.launch`), which says what
+  happens to the ranks in one line per event.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from typing import Callable, Optional, Sequence
 
 from tierstack.config import ConfigContainer, ConfigError
 from tierstack.config.describe import describe, load_yaml, to_yaml
 from tierstack.errors import BadInputError, report_on_rank_0
+from tierstack.recipes import rank_exit
+from tierstack.recipes.launch import launch
 
 log = logging.getLogger("tierstack")
 
@@ -90,42 +95,85 @@ def run(
         config.validate(world_size, check_paths=nproc is not None or not under_torchrun() or world_size == 1)
     except ConfigError as exc:
         _report(str(exc))
-        if nproc is None and under_torchrun() and world_size > 1 and int(os.environ.get("RANK", "0")) != 0:
-            _leave_after_rank_0(CONFIG_ERROR_STATUS)
+        if nproc is None and under_torchrun():
+            if int(os.environ.get("RANK", "0")) == 0:
+                rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
+            elif world_size > 1:
+                rank_exit.leave_after_rank_0(CONFIG_ERROR_STATUS)
         return CONFIG_ERROR_STATUS
     if known.dry_run:
+        if (nproc is not None or not under_torchrun()) and not _data_files_fit(config):
+            return BAD_INPUT_STATUS
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"dry run: the config is valid for {world_size} rank(s); nothing was built or started", flush=True)
         return 0
     if nproc is not None:
         from tierstack.resiliency.signals import planned_exit_grace_s
 
+        if not _data_files_fit(config):  # before any rank exists: the error alone, exit status 2
+            return BAD_INPUT_STATUS
+
         file_args = ["--config-file", known.config_file] if known.config_file else []
         return launch([*(rank_command or [sys.argv[0]]), *file_args, *overrides], nproc_per_node=nproc,
                       max_restarts=known.max_restarts or 0, shutdown_grace_s=planned_exit_grace_s(config),
                       exit_signal=config.train.exit_signal)
+    return _pretrain_here(config)
+
+
+def _pretrain_here(config: ConfigContainer) -> int:
+    """Train in this process (a rank); a refusal or the loss of a peer ends it as
+    :mod:`~tierstack.recipes.rank_exit` says, every other error propagates with its traceback
+    (which the rank's log file keeps too)."""
+    from tierstack.runtime.failures import FILE_ONLY, peer_lost
     from tierstack.training.pretrain import pretrain
 
+    rank = int(os.environ.get("RANK", "0"))
     try:
         pretrain(config)
     except BadInputError as exc:  # raised alike on every rank, after pretrain() cleaned up
-        if int(os.environ.get("RANK", "0")) == 0:
-            if not getattr(exc, "said", False):  # setup says it before the ranks leave (errors.say_once)
+        if not getattr(exc, "said", False):  # setup says it before the ranks leave (errors.say_once)
+            if rank == 0:
                 _report(str(exc))
-        else:
-            if not logging.getLogger().handlers:
-                logging.basicConfig(level=logging.INFO, format="%(message)s")
-            log.error("rank %s stopped: bad input (rank 0 says which)", os.environ.get("RANK"))
+            else:
+                if not logging.getLogger().handlers:
+                    logging.basicConfig(level=logging.INFO, format="%(message)s")
+                log.error("rank %s stopped: bad input (rank 0 says which)", rank)
         if under_torchrun():
-            _exit_with_the_other_ranks(BAD_INPUT_STATUS)
+            if rank == 0:
+                rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
+            rank_exit.exit_now(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
-    except Exception:
+    except Exception as exc:
+        log.error("rank %d stopped on this error:", rank, exc_info=exc, extra=FILE_ONLY)
+        lost = peer_lost(exc)
+        if lost is not None and under_torchrun():
+            # another rank died: its own log (or torchrun's line) says why; this rank's traceback says nothing
+            log_file = config.logger.rank_log_path(rank)
+            rank_exit.report_peer_loss(rank, lost, str(log_file) if log_file else None)
+            rank_exit.leave_after_peer_loss()
         if under_torchrun():  # torchrun restarts once every rank has ended: end right after the traceback
             from tierstack.resiliency.fast_exit import exit_after_traceback
 
             exit_after_traceback()
         raise
     return 0
+
+
+def _data_files_fit(config: ConfigContainer) -> bool:
+    """The launcher's check of the data files before it starts any rank (what setup checks on every
+    rank: :func:`~tierstack.data.datasets.check_training_data`); False after printing the refusal.
+    The built-in corpus and mock data are left to the ranks (nothing of the user's to check)."""
+    if config.dataset.mock or config.dataset.data_path is None:
+        return True
+    from tierstack.data.datasets import check_training_data
+    from tierstack.data.tokenizers import build_tokenizer
+
+    try:
+        check_training_data(config.dataset, build_tokenizer(config.tokenizer))
+    except BadInputError as exc:
+        _report(str(exc))
+        return False
+    return True
 
 
 def resolve_config(config_fn: Callable[[], ConfigContainer], overrides: Sequence[str],
@@ -205,106 +253,4 @@ def _show(config: ConfigContainer, config_fn: Callable[[], ConfigContainer], kno
     else:
         sys.stdout.write(to_yaml(config))
     sys.stdout.flush()
-    return 0
-
-
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun forwards to the ranks by default
-REFUSAL_GRACE_S = 30.0  # how long a rank other than 0 waits for rank 0 to print a config error
-
-
-def _leave_after_rank_0(status: int) -> None:
-    """End a rank other than 0 that refused the config (no process group exists yet), after rank 0.
-
-    Every rank finds the same config error, and only rank 0 prints it. torchrun stops the other
-    workers (SIGTERM) as soon as one exits non-zero, so a rank 1 that exited first could kill rank
-    0 before it printed (seen on a busy machine: the run ended with no message at all). This rank
-    waits instead: SIGTERM from torchrun (rank 0 has exited, message printed) ends it with
-    ``status``, and so does the end of :data:`REFUSAL_GRACE_S` seconds (rank 0 on another node,
-    whose agent does not stop this node's workers).
-    """
-    import time
-
-    def leave(signum, frame):
-        os._exit(status)
-
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGINT, leave)
-    time.sleep(REFUSAL_GRACE_S)
-    os._exit(status)
-
-
-def _exit_with_the_other_ranks(status: int) -> None:
-    """End this rank now, with ``status``, as every other rank does at the same point.
-
-    torchrun stops the other workers (SIGTERM) as soon as one exits non-zero. The interpreter's own
-    teardown after megatron-core is imported takes seconds and varies between ranks (5-10 s on a
-    busy 2-core machine), so a rank reporting the same bad input a little later would be killed and
-    listed as "Signal 15", hiding its clean exit 2. Everything that needs closing was closed by
-    ``pretrain()`` (checkpoint writers, process groups); child processes (multiprocessing managers)
-    are stopped here so that none outlives the rank.
-    """
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(timeout=5)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def launch(command: Sequence[str], *, nproc_per_node: int, max_restarts: int = 0,
-           shutdown_grace_s: Optional[int] = None, exit_signal: Optional[str] = None) -> int:
-    """Start ``nproc_per_node`` ranks of ``command`` on this machine with torchrun's own launcher.
-
-    The rendezvous is torchrun's ``--standalone`` one (a c10d store on a port the OS picks at bind
-    time). ``OMP_NUM_THREADS`` defaults to 1, the value torchrun itself sets for several ranks per
-    node (so the numbers are the same as a plain torchrun launch; set it to change that).
-
-    Args:
-        command: the program and its arguments, as after ``torchrun [options]`` (``["-m",
-            "tierstack.cli", "pretrain", "gpt_tiny", ...]`` or ``["recipes/gpt_tiny.py", ...]``).
-        nproc_per_node: ranks to start.
-        max_restarts: torchrun's ``--max-restarts``: after a rank fails, torchrun stops the others
-            and starts all of them again, up to this many times (the job-wide count is kept in
-            ``<logger.run_dir>/restarts.json``). The ranks' process groups keep to keys of their own
-            start in torchrun's shared store (:mod:`tierstack.runtime.attempt_store`), so no
-            restarted rank reads a peer's address from before the restart.
-        shutdown_grace_s: how long torchrun waits for the ranks after forwarding a stop signal
-            before it SIGKILLs them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, torchrun's default 30 s,
-            unless set): what a planned exit's checkpoint needs
-            (:func:`~tierstack.resiliency.signals.planned_exit_grace_s`).
-        exit_signal: a signal (``"SIGUSR1"``) torchrun forwards to the ranks besides its own
-            (SIGTERM, SIGINT, SIGHUP, SIGQUIT): the early warning that asks for a planned exit.
-
-    Returns:
-        0 when every rank succeeded; else the first failed rank's exit status (1 for a signal),
-        after torchrun's report of the failure; ``128 + N`` when this launcher itself received
-        signal N (SIGTERM from a scheduler, Ctrl-C): torchrun has then stopped the ranks, each
-        of which turned the signal into a planned exit (the shell's convention for a signal).
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args
-    from torch.distributed.run import run as torchrun
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    logging.getLogger("torch.distributed").setLevel(logging.WARNING)  # its rendezvous INFO lines
-    if shutdown_grace_s is not None:  # torchrun's 30 s would SIGKILL a planned exit's save
-        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(shutdown_grace_s)))
-    forwarded = ["--signals-to-handle", f"{TORCHRUN_SIGNALS},{exit_signal}"] if exit_signal else []
-    args = parse_args(["--standalone", "--nproc-per-node", str(nproc_per_node),
-                       "--max-restarts", str(max_restarts), *forwarded, *command])
-    try:
-        torchrun(args)
-    except ChildFailedError as exc:
-        print(str(exc), file=sys.stderr)
-        _, failure = exc.get_first_failure()
-        return failure.exitcode if failure.exitcode > 0 else 1
-    except SignalException as exc:
-        signum = int(exc.sigval)
-        print(f"tierstack: the launcher received {signal.Signals(signum).name}; torchrun stopped the ranks "
-              f"(exit status {128 + signum})", file=sys.stderr)
-        return 128 + signum
     return 0

@@ -17,8 +17,9 @@ class ExitRequest:
     :func:`stop_with_the_launcher`) or the early-warning signal (``train.exit_signal``, e.g. the
     SIGUSR1 of SLURM's ``--signal=USR1@120``) and lets all ranks agree on it.
 
-    The handler only sets a flag; :meth:`agreed` runs one all-reduce at a step boundary, so every
-    rank stops after the same step and the GLOBAL checkpoint taken then is complete.
+    The handler only sets a flag (and says nothing); :meth:`agreed` runs one all-reduce at a step
+    boundary, so every rank stops after the same step and the GLOBAL checkpoint taken then is
+    complete; the training loop announces that checkpoint once the ranks agreed.
     A second SIGTERM restores the default handler, so a third one kills the process as usual;
     SIGHUP and the early-warning signal are counted once, however often they come.
 
@@ -41,22 +42,21 @@ class ExitRequest:
                 pass
 
     def _handle(self, signum, frame) -> None:
+        # Only recorded: the ranks agree on it at the next step boundary, and the loop announces
+        # the planned exit's checkpoint then, when it can be saved (a rank that is stopping on an
+        # error, or whose peer is gone, gets torchrun's SIGTERM too, and saves nothing).
         name = signal.Signals(signum).name
         if signum == signal.SIGHUP:  # the launcher died (stop_with_the_launcher); may come several times
             if self._requested is None:
                 self._requested = "SIGHUP (the launcher is gone)"
-                log.warning("the launcher is gone (SIGHUP): will save a GLOBAL checkpoint and stop after this step")
             return
         if signum in self._once:  # the early warning (train.exit_signal): ahead of the scheduler's SIGTERM
             if self._requested is None:
                 self._requested = f"{name} (train.exit_signal)"
-                log.warning("received %s (train.exit_signal): will save a GLOBAL checkpoint and stop after this "
-                            "step", name)
             return
         if self._requested is not None:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
         self._requested = name
-        log.warning("received %s: will save a GLOBAL checkpoint and stop after this step", name)
 
     def request(self, reason: str) -> None:
         """Ask for a planned exit from code (e.g. the straggler monitor)."""

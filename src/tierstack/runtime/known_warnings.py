@@ -9,7 +9,9 @@ uses torch APIs torch deprecates. megatron-core 0.19 adds notices at import (``a
 ``MimoModelConfig`` experimental, ``GPTModel`` deprecated in favour of its ``HybridModel``, which
 tierstack's users cannot act on) and one at the first async save about its own async path, which the
 GLOBAL tier chooses on purpose (``checkpointing.global_writer`` says why); torch's CUDA wheel says at
-import on a CPU machine that no CUDA runtime is found. None of them changes what a run computes.
+import on a CPU machine that no CUDA runtime is found; in a process that is no rank (the launcher,
+``convert``, ``generate``), megatron-core says it found no rank and torch's distributed checkpoint
+that it loads in one process. None of them changes what a run computes.
 Log records are filtered like warnings: by logger name and message, one by one (:data:`_LOG_RECORDS`).
 :func:`install_import_filters` and :func:`install_cpu_filters` ignore exactly those warnings, each
 matched by its message and the module that issues it; every other warning stays visible.
@@ -48,6 +50,15 @@ _IMPORT_TIME = (
     # megatron-core 0.19 at import: absl-py is optional for its logging; MimoModelConfig (multimodal) is new.
     (r"absl\.logging is not installed", UserWarning, r"megatron\.core\.hyper_comm_grid\Z"),
     (r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo\..*\Z"),
+    # megatron-core 0.19 in a process that is no rank (the launcher, preprocess, convert): its logging
+    # helper asks for a rank and warns that it found none (the process is rank 0 of nothing).
+    (r"Could not determine rank from torch\.distributed", UserWarning, r"megatron\.core\._rank_utils\Z"),
+    # megatron-core's torch_dist load in one process without torch.distributed (convert export,
+    # generate: by design) goes through torch.distributed.checkpoint, which says it assumes one
+    # process, and that the positional arguments megatron-core passes were reordered long ago.
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (load|save) in a "
+     r"single process", UserWarning, r"torch\.distributed\.checkpoint\.(utils|logger)\Z"),
+    (r"The argument order of load has been changed", UserWarning, r"torch\.distributed\.checkpoint\.(utils|logger)\Z"),
 )
 # (logger name, message regex): records that loggers (not warnings.warn) emit, matched from the start.
 _LOG_RECORDS = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Callable, Optional
 
 from tierstack.config import ConfigContainer
@@ -41,7 +42,7 @@ def pretrain(
     from tierstack.training.setup import setup
     from tierstack.training.train import train
 
-    configure_logging()
+    configure_logging(log_file=config.logger.rank_log_path(int(os.environ.get("RANK", "0"))))
     forward_step_func = forward_step_func or gpt_forward_step
     with contextlib.ExitStack() as closers:
         exit_request = ExitRequest(early_warning=config.train.exit_signal)

@@ -7,15 +7,19 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger("tierstack")
 
 
-def configure_logging(level: int = logging.INFO) -> None:
+def configure_logging(level: int = logging.INFO, log_file: Optional[Path] = None) -> None:
     """Rank 0 logs INFO to stderr; other ranks log WARNING and above, prefixed with their rank.
 
     Third-party loggers that flood a CPU run (megatron-core's per-call INFO lines) are raised to
-    WARNING.
+    WARNING. With ``log_file`` (``logger.rank_log_path(rank)``), every rank also appends its
+    tierstack records from INFO up to that file, with the records marked
+    :data:`~tierstack.runtime.failures.FILE_ONLY` (tracebacks the console gets as one line). A file
+    that cannot be opened is said once on the console; the run goes on without it.
     """
     rank = int(os.environ.get("RANK", "0"))
     root = logging.getLogger()
@@ -24,13 +28,44 @@ def configure_logging(level: int = logging.INFO) -> None:
         handler._tierstack = True  # type: ignore[attr-defined]
         prefix = "" if rank == 0 else f"[rank {rank}] "
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.addFilter(_console_only)
+        handler.setLevel(level if rank == 0 else logging.WARNING)
         root.addHandler(handler)
     # Libraries that log INFO on the root logger (NVRx local checkpointing does) stay quiet;
     # tierstack's own lines say what happened.
     root.setLevel(logging.WARNING)
-    logging.getLogger("tierstack").setLevel(level if rank == 0 else logging.WARNING)
+    logging.getLogger("tierstack").setLevel(level)  # the console handler keeps other ranks to WARNING
     for noisy in ("megatron", "megatron.core", "nvidia_resiliency_ext", "mlflow", "alembic", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if log_file is not None:
+        _open_rank_log(Path(log_file), rank, root)
+
+
+def _console_only(record: logging.LogRecord) -> bool:
+    """The console's filter: every record but those meant for the rank's log file alone."""
+    from tierstack.runtime.failures import FILE_ONLY_ATTR
+
+    return not getattr(record, FILE_ONLY_ATTR, False)
+
+
+def _open_rank_log(path: Path, rank: int, root: logging.Logger) -> None:
+    """Append this rank's records to ``path`` (one handler per process: a second call with the
+    same path adds none), after a line that says which start of the rank follows."""
+    if any(getattr(h, "_tierstack_file", None) == str(path) for h in root.handlers):
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    except OSError as exc:
+        log.warning("rank %d: cannot write its log file %s (%s); logging to the console only", rank, path, exc)
+        return
+    handler._tierstack_file = str(path)  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root.addHandler(handler)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    handler.stream.write(f"==== rank {rank}, pid {os.getpid()}, torchrun restart count {restart} ====\n")
+    handler.flush()
 
 
 @contextlib.contextmanager
@@ -78,11 +113,15 @@ def run_reporters(s):
             # (the plot took 0.5 s here, and torchrun waits for every rank before it restarts).
             from tierstack.resiliency.restarts import launcher_restarts_left
 
-            _write_loss_curve(s, history, run_dir, plot=error is None or not launcher_restarts_left())
+            _write_loss_curve(s, history, run_dir, quiet=error is not None,
+                              plot=error is None or not launcher_restarts_left())
 
 
-def _write_loss_curve(s, history, run_dir: Path, plot: bool = True) -> None:
-    """Record this run's checkpoints in the history, then (``plot``) plot the whole history (all runs)."""
+def _write_loss_curve(s, history, run_dir: Path, quiet: bool = False, plot: bool = True) -> None:
+    """Record this run's checkpoints in the history, then (``plot``) plot the whole history (all
+    runs); with ``quiet`` (the run is stopping on an error), its path goes to the rank's log file only."""
+    from tierstack.runtime.failures import FILE_ONLY
+
     from tierstack.checkpointing import CheckpointTier
     from tierstack.observability.plots import plot_loss_curve
 
@@ -97,7 +136,7 @@ def _write_loss_curve(s, history, run_dir: Path, plot: bool = True) -> None:
         out = plot_loss_curve(
             history.metrics(), run_dir / "loss_curve.png", history.checkpoint_steps(), history.resume_steps()
         )
-        log.info("loss curve: %s", out)
+        log.info("loss curve: %s", out, extra=FILE_ONLY if quiet else None)
         s.loggers.log_artifact(out)
     except Exception as exc:  # a plot must never turn a finished run into a failed one
         log.warning("could not write the loss curve: %s", exc)

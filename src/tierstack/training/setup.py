@@ -159,8 +159,11 @@ def _setup(cfg: ConfigContainer, stack: contextlib.ExitStack) -> SetupOutput:
     try:
         return _build(cfg, layout, stack, register)
     except BadInputError as exc:  # raised alike on every rank: said by rank 0, then they leave together
-        say_once(exc)
+        if layout.rank != 0:  # first: the refusal (rank 0, after the barrier) is the last line printed
+            log.error("rank %d stopped: bad input (rank 0 says which)", layout.rank)
         collectives.barrier()
+        say_once(exc)  # on every rank: marks it said (rank 0 prints it)
+        collectives.barrier()  # none exits before rank 0 printed (torchrun would stop rank 0)
         raise
 
 

@@ -25,12 +25,29 @@ def _stop_reason(s: SetupOutput, exit_request, straggler_stop: Optional[str]) ->
     if cfg.train.exit_interval and ts.step % cfg.train.exit_interval == 0:
         return f"train.exit_interval={cfg.train.exit_interval} reached at iteration {ts.step}"
     if exit_request is not None and exit_request.agreed():
-        reasons = [r for r in exit_request.reasons() if r]  # the same list on every rank
+        by_rank = exit_request.reasons()  # the same list on every rank
+        reasons = [r for r in by_rank if r]
         signals = [r for r in reasons if not r.startswith(BUDGET_REASON)]
         if signals or not reasons:  # a signal wins: it came from outside the job
-            return f"{signals[0] if signals else 'signal'} received on some rank"
+            name = signals[0] if signals else "signal"
+            ranks = ", ".join(str(r) for r, why in enumerate(by_rank) if why == name) or "some rank"
+            _announce_planned_exit(s, f"received {name} on rank {ranks}")
+            return f"{name} received on some rank"
         return reasons[0]  # the time budget, as the first rank whose clock said so saw it
     return None
+
+
+def _announce_planned_exit(s: SetupOutput, what: str) -> None:
+    """Rank 0, once the ranks agreed to stop on a signal: the checkpoint the planned exit saves now
+    (announced here, not when the signal came: only ranks that reached this agreement can save)."""
+    if s.layout.rank != 0:
+        return
+    tier = s.checkpoint_manager.final_tier()
+    step = s.train_state.step
+    if tier is None:
+        log.warning("%s: stopping after iteration %d (no checkpoint tier is on)", what, step)
+    else:
+        log.warning("%s: saving a %s checkpoint of iteration %d, then stopping", what, tier.value.upper(), step)
 
 
 class _Instruments(NamedTuple):

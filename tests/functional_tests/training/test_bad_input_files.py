@@ -99,9 +99,13 @@ def test_damaged_or_foreign_data_stops_before_any_run_artifact(tmp_path, data, t
     assert f"{data}/hf.bin/.idx were tokenized with the Hugging Face tokenizer" in log
     assert "but this run uses the byte tokenizer (vocabulary 257)" in log
     assert "outside the vocabulary 0..256" in log
-    assert "4 problem(s)" in log and log.count("bad training data") == 1
+    # said once by rank 0; torchrun's report of the failed ranks repeats it as its root cause
+    assert "4 problem(s)" in log and log.split("ChildFailedError")[0].count("bad training data") == 1
+    assert "bad training data" in log.split("Root Cause")[-1]
     _assert_one_clean_failure(log)
-    assert not run.exists()  # no checkpoint directory, no mlflow store: nothing was started
+    # no checkpoint directory, no mlflow store: nothing was started but the ranks' own log files
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == ["logs", "logs/rank0.log", "logs/rank1.log"]
+    assert "bad training data" in (run / "logs" / "rank0.log").read_text()
 
 
 @pytest.fixture(scope="module")
