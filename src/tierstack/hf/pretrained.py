@@ -15,9 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tierstack.checkpointing.errors import CheckpointLoadError
 from tierstack.config import ConfigContainer
+from tierstack.errors import BadInputError
 
 IMPORT_DIR = "hf_import"
+
+
+class PretrainedImportError(CheckpointLoadError, BadInputError):
+    """``checkpoint.pretrained_checkpoint`` names a Hugging Face directory that this run cannot take
+    (its config.json differs from the run's fields, or its import failed: a damaged or missing
+    weights file). Raised alike on every rank, before any step: a refusal like a config error
+    (rank 0 prints it, the launch ends with status 2), still a ``CheckpointLoadError`` for callers."""
 # torchrun's variables: without them the importer is a one-rank world of its own.
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -52,7 +61,7 @@ def pretrained_root(cfg: ConfigContainer, path: Path) -> Path:
     directory, a GLOBAL root) is returned as it is.
 
     Raises:
-        CheckpointLoadError: as :func:`import_for_run`.
+        PretrainedImportError: as :func:`import_for_run`.
     """
     from tierstack.hf.convert import is_hf_directory
 
@@ -63,10 +72,9 @@ def import_for_run(cfg: ConfigContainer, hf_dir: Path) -> Path:
     """Collective: import ``hf_dir`` for this run (rank 0, in a subprocess); returns the GLOBAL root.
 
     Raises:
-        CheckpointLoadError: the run's model fields differ from config.json (each named), or the
+        PretrainedImportError: the run's model fields differ from config.json (each named), or the
             import failed (its error message), on every rank.
     """
-    from tierstack.checkpointing import CheckpointLoadError
     from tierstack.hf.convert import read_hf_config
     from tierstack.runtime import collectives
 
@@ -83,7 +91,7 @@ def import_for_run(cfg: ConfigContainer, hf_dir: Path) -> Path:
             error = _run_import(cfg, hf_dir, root)
     error = collectives.broadcast_object(error)
     if error:
-        raise CheckpointLoadError(error)
+        raise PretrainedImportError(error)
     return root
 
 
@@ -104,4 +112,4 @@ def _run_import(cfg: ConfigContainer, hf_dir: Path, root: Path):
     return None
 
 
-__all__ = ["import_for_run", "model_field_differences", "pretrained_root"]
+__all__ = ["PretrainedImportError", "import_for_run", "model_field_differences", "pretrained_root"]

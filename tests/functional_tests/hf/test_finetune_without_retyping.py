@@ -64,3 +64,22 @@ def test_finetune_from_an_import_takes_its_architecture_and_starts_at_the_hf_los
     assert "model.num_layers=4 was given, but checkpoint.pretrained_checkpoint=" in refused.stderr
     assert ("use (or leave these fields out: they come from the checkpoint): model.num_layers=2 "
             "tokenizer.tokenizer_type=huggingface") in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_hugging_face_directory_whose_import_fails_is_refused_like_bad_input(tmp_path):
+    """Its config.json reads, its weights file is damaged: the import at setup fails on rank 0, and
+    the launch ends as a refusal does (status 2, the reason the last line, no traceback), not a crash."""
+    tiny_hf.save_model("llama", tmp_path / "hf")
+    weights = next((tmp_path / "hf").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short
+    run = tmp_path / "run"
+    proc = _tierstack("pretrain", "llama_tiny", "--nproc-per-node", 2, f"checkpoint.pretrained_checkpoint={tmp_path / 'hf'}",
+                      "dataset.mock=true", f"logger.run_dir={run}", "train.train_iters=1", "train.eval_interval=null",
+                      "mlflow=null", "straggler=null", timeout=400)
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.stdout + err)[-6000:]
+    assert "Traceback" not in proc.stdout + err, err[-6000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert f"checkpoint.pretrained_checkpoint={tmp_path / 'hf'}: import failed" in last, err[-3000:]
+    assert not (run / "checkpoints" / "run.json").exists() and not list(run.rglob("run.json"))
