@@ -51,9 +51,11 @@ def write_torchrun_error_file(message: str) -> None:
 
 
 def leave_after_rank_0(status: int) -> None:
-    """End a rank other than 0 that refused the config (no process group exists yet), after rank 0.
+    """End a rank other than 0 that refused its input (a config error, or bad input found at setup
+    alike on every rank), after rank 0. Never returns.
 
-    Every rank finds the same config error, and only rank 0 prints it. torchrun stops the other
+    Every rank finds the same error, and only rank 0 prints it (and writes it as torchrun's root
+    cause, :func:`write_torchrun_error_file`: torchrun names the first rank to end as the root cause). torchrun stops the other
     workers (SIGTERM) as soon as one exits non-zero, so a rank 1 that exited first could kill rank
     0 before it printed (seen on a busy machine: the run ended with no message at all). This rank
     waits instead: SIGTERM from torchrun (rank 0 has exited, message printed) ends it with
@@ -62,12 +64,12 @@ def leave_after_rank_0(status: int) -> None:
     """
 
     def leave(signum, frame):
-        os._exit(status)
+        exit_now(status)
 
     signal.signal(signal.SIGTERM, leave)
     signal.signal(signal.SIGINT, leave)
     time.sleep(REFUSAL_GRACE_S)
-    os._exit(status)
+    exit_now(status)
 
 
 exit_now = fast_exit.exit_now  # end now with a status, children stopped, logs flushed (never returns)

@@ -139,8 +139,9 @@ def _pretrain_here(config: ConfigContainer) -> int:
                     logging.basicConfig(level=logging.INFO, format="%(message)s")
                 log.error("rank %s stopped: bad input (rank 0 says which)", rank)
         if under_torchrun():
-            if rank == 0:
-                rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
+            if rank != 0:  # rank 0 ends first, so torchrun's first observed failure is the one that says why
+                rank_exit.leave_after_rank_0(BAD_INPUT_STATUS)
+            rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
             rank_exit.exit_now(BAD_INPUT_STATUS)
         return BAD_INPUT_STATUS
     except Exception as exc:
