@@ -149,8 +149,8 @@ def initialize_distributed(
         seed: base seed; megatron offsets it per TP rank for the model-parallel RNG stream, and
             pipeline stages get ``seed + 100 * pp_rank`` (the Megatron-LM convention).
         backend: override of :func:`default_backend`.
-        timeout_s: collective timeout in seconds; it also bounds the ranks' meeting in torchrun's
-            shared store (:func:`~tierstack.runtime.attempt_store.attempt_store`).
+        timeout_s: collective timeout in seconds, of WORLD and of every megatron-core group (TP,
+            PP, DP, ...); it also bounds the ranks' meeting in torchrun's shared store (:func:`~tierstack.runtime.attempt_store.attempt_store`).
 
     Raises:
         ValueError: world size not divisible by TP * PP (names the distributed.* fields), or on a
@@ -197,6 +197,9 @@ def initialize_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
+            # megatron's groups (TP, PP, DP, ...) get the same bound as WORLD (its default is 30 min:
+            # a stopped rank hung a tensor-parallel collective in the backward pass for that long)
+            distributed_timeout_minutes=timeout_s / 60.0,
         )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     seed_all(seed + 100 * pp_rank)
