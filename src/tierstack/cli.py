@@ -105,7 +105,7 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
             written = [preprocess(args.input, args.output_prefix, tok, json_key=args.json_keys[0], **kw)]
         else:
             written = list(preprocess_json_keys(args.input, args.output_prefix, tok, args.json_keys, **kw).values())
-    except (ValueError, FileNotFoundError) as exc:
+    except _bad_input_errors() as exc:
         print(f"tierstack preprocess: {exc}", file=sys.stderr)
         return 2
     for stats in written:
@@ -138,11 +138,13 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def _bad_input_errors() -> tuple:
-    from tierstack.config import ConfigError
+    from tierstack.errors import BadInputError
     from tierstack.hf import HFCheckpointError, UnsupportedModelError
     from tierstack.hf.checkpoint_io import CheckpointNotFoundError
 
-    return (HFCheckpointError, UnsupportedModelError, CheckpointNotFoundError, ConfigError, ValueError, FileNotFoundError)
+    # BadInputError covers ConfigError and a damaged tokenizer.json (data.tokenizers)
+    return (HFCheckpointError, UnsupportedModelError, CheckpointNotFoundError, BadInputError, ValueError,
+            FileNotFoundError)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

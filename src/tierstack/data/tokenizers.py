@@ -109,6 +109,7 @@ class HuggingFaceTokenizer:
         ImportError: ``tokenizers`` is not installed (names ``pip install tokenizers``).
         FileNotFoundError: no tokenizer.json at ``path`` (names tokenizer.tokenizer_path).
         ValueError: no end-of-document token found (names tokenizer.tokenizer_path).
+        BadInputError: the file is not a readable tokenizer.json (damaged, cut short; names it).
     """
 
     def __init__(self, path: str | Path, eod_token: Optional[str] = None) -> None:
@@ -118,7 +119,13 @@ class HuggingFaceTokenizer:
                 f"tokenizer.tokenizer_path={str(path)!r}: no tokenizer.json found there"
             )
         tokenizers = _import_tokenizers()
-        self._tok = tokenizers.Tokenizer.from_file(str(file))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the tokenizers package raises a bare Exception for a damaged file
+            from tierstack.errors import BadInputError
+
+            raise BadInputError(f"tokenizer.tokenizer_path={str(path)!r}: {file} is not a readable tokenizer.json "
+                                f"({e}); replace the file (or give another tokenizer)") from None
         self.path = file.resolve()
         candidates = (eod_token,) if eod_token is not None else COMMON_EOD_TOKENS
         found = [(t, self._tok.token_to_id(t)) for t in candidates]

@@ -63,14 +63,17 @@ def read_hf_config(path: str | Path) -> tuple[Any, Architecture, dict]:
     """``(config, architecture, ModelConfig fields)`` of an HF directory, without reading weights.
 
     Raises:
-        HFCheckpointError: no config.json; UnsupportedModelError: an architecture or option we
-            cannot express (names the field of config.json).
+        HFCheckpointError: no config.json, or one that is not valid JSON; UnsupportedModelError: an
+            architecture or option we cannot express (names the field of config.json).
     """
     transformers = _import_transformers()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise HFCheckpointError(f"--hf-path {path}: no config.json")
-    config = transformers.AutoConfig.from_pretrained(str(path))
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except OSError as e:  # transformers' words for a damaged file ("is not a valid JSON file")
+        raise HFCheckpointError(f"--hf-path {path}: config.json cannot be read: {e}") from None
     arch = architecture_of_hf(config, str(path / "config.json"))
     return config, arch, arch.model_fields(config)
 
