@@ -139,7 +139,10 @@ def _pretrain_here(config: ConfigContainer) -> int:
                     logging.basicConfig(level=logging.INFO, format="%(message)s")
                 log.error("rank %s stopped: bad input (rank 0 says which)", rank)
         if under_torchrun():
-            if rank != 0:  # rank 0 ends first, so torchrun's first observed failure is the one that says why
+            # rank 0 ends first, so torchrun's first observed failure is the one that says why; only
+            # where rank 0 runs under this rank's own agent (node 0: GROUP_RANK 0), whose SIGTERM then
+            # ends this rank too (another node's agent would not, and a node whose store host left errs)
+            if rank != 0 and os.environ.get("GROUP_RANK", "0") == "0":
                 rank_exit.leave_after_rank_0(BAD_INPUT_STATUS)
             rank_exit.write_torchrun_error_file(str(exc))  # torchrun's report ends with it
             rank_exit.exit_now(BAD_INPUT_STATUS)
