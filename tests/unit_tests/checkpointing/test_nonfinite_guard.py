@@ -209,14 +209,8 @@ def _guard_rank(rank: int, store: str, out) -> None:
         dist.destroy_process_group()
 
 
-def test_only_another_ranks_row_is_bad_and_every_rank_blocks(tmp_path):
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_guard_rank, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+def test_only_another_ranks_row_is_bad_and_every_rank_blocks(tmp_path, start_ranks):
+    procs, out = start_ranks(_guard_rank, str(tmp_path / "store"))
     got = {r: (ok, msg, left) for r, ok, msg, left in (out.get(timeout=120) for _ in procs)}
     for p in procs:
         p.join(timeout=60)

@@ -1,7 +1,6 @@
 """``peer_lost``: a collective that failed because another rank died is told from a rank's own error,
 on the error gloo really raises (two processes, one killed)."""
 
-import multiprocessing as mp
 import os
 import signal
 
@@ -25,12 +24,8 @@ def _rank(rank: int, init_file: str, out) -> None:
         out.put((type(exc).__name__, peer_lost(exc)))
 
 
-def test_a_collective_with_a_killed_peer_is_a_peer_loss(tmp_path):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "init"), out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+def test_a_collective_with_a_killed_peer_is_a_peer_loss(tmp_path, start_ranks):
+    procs, out = start_ranks(_rank, str(tmp_path / "init"))
     name, what = out.get(timeout=120)
     for p in procs:
         p.join(timeout=30)

@@ -3,7 +3,6 @@ with TP=2 and a 3 s timeout; rank 1 stops taking part (a stopped rank) and rank 
 tensor-parallel group fails within seconds. Found by trying: a SIGSTOPped rank hung a TP collective
 in the backward pass with no end in sight (megatron's own default for its groups is 30 minutes)."""
 
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -36,13 +35,8 @@ def _rank(rank: int, port: int, out) -> None:
         out.put((rank, type(e).__name__, time.monotonic() - t0))
 
 
-def test_a_stopped_rank_fails_a_tensor_parallel_collective_within_distributed_timeout_s():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+def test_a_stopped_rank_fails_a_tensor_parallel_collective_within_distributed_timeout_s(start_ranks):
+    procs, out = start_ranks(_rank, _free_port())
     rank, what, seconds = out.get(timeout=120)  # rank 0 reports long before rank 1 wakes
     for p in procs:
         p.kill()

@@ -2,7 +2,6 @@
 collective that waits for it gets the I/O wait on top of the collective bound (2 real gloo ranks, a
 2 s bound, a peer 5 s late); without it the same wait fails (on NCCL it would abort the process)."""
 
-import multiprocessing as mp
 import time
 
 import torch
@@ -30,12 +29,8 @@ def _rank(rank: int, store: str, io_wait_s, out) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _run(tmp_path, io_wait_s) -> dict:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), io_wait_s, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+def _run(start_ranks, tmp_path, io_wait_s) -> dict:
+    procs, out = start_ranks(_rank, str(tmp_path / "store"), io_wait_s)
     got = {}
     for _ in procs:
         r, kind, seconds = out.get(timeout=120)
@@ -47,12 +42,12 @@ def _run(tmp_path, io_wait_s) -> dict:
     return got
 
 
-def test_a_slow_peer_inside_an_io_phase_is_waited_for(tmp_path):
-    got = _run(tmp_path, io_wait_s=30.0)
+def test_a_slow_peer_inside_an_io_phase_is_waited_for(tmp_path, start_ranks):
+    got = _run(start_ranks, tmp_path, io_wait_s=30.0)
     assert got[0][0] == "ok" and got[1][0] == "ok", got
     assert got[0][1] >= 4.5, got  # rank 0 did wait for the 5 s read
 
 
-def test_without_it_the_collective_bound_cuts_the_wait(tmp_path):
-    got = _run(tmp_path, io_wait_s=None)
+def test_without_it_the_collective_bound_cuts_the_wait(tmp_path, start_ranks):
+    got = _run(start_ranks, tmp_path, io_wait_s=None)
     assert got[0][0] == "CollectiveError", got
