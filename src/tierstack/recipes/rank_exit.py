@@ -55,20 +55,26 @@ def leave_after_rank_0(status: int) -> None:
     alike on every rank), after rank 0. Never returns.
 
     Every rank finds the same error, and only rank 0 prints it (and writes it as torchrun's root
-    cause, :func:`write_torchrun_error_file`: torchrun names the first rank to end as the root cause). torchrun stops the other
-    workers (SIGTERM) as soon as one exits non-zero, so a rank 1 that exited first could kill rank
+    cause, :func:`write_torchrun_error_file`: torchrun names the first rank to end as the root
+    cause). torchrun stops the other workers (SIGTERM) as soon as one exits non-zero, so a rank 1 that exited first could kill rank
     0 before it printed (seen on a busy machine: the run ended with no message at all). This rank
     waits instead: SIGTERM from torchrun (rank 0 has exited, message printed) ends it with
     ``status``, and so does the end of :data:`REFUSAL_GRACE_S` seconds (rank 0 on another node,
     whose agent does not stop this node's workers).
     """
+    _exit_after(REFUSAL_GRACE_S, status, (signal.SIGTERM, signal.SIGINT))
+
+
+def _exit_after(grace_s: float, status: int, signals: tuple) -> None:
+    """End this process with ``status`` after ``grace_s`` seconds, or at once when one of
+    ``signals`` arrives (torchrun's stop of its workers). Never returns."""
 
     def leave(signum, frame):
         exit_now(status)
 
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGINT, leave)
-    time.sleep(REFUSAL_GRACE_S)
+    for sig in signals:
+        signal.signal(sig, leave)
+    time.sleep(grace_s)
     exit_now(status)
 
 
@@ -100,13 +106,6 @@ def leave_after_peer_loss() -> None:
     """End a rank whose peer is gone after :data:`PEER_LOSS_GRACE_S` seconds (at once on torchrun's
     SIGTERM), with :data:`PEER_LOSS_STATUS`. The rank that died first is then the failure torchrun
     reports first; this rank exiting before the agent noticed that death could be taken for it."""
-
-    def leave(signum, frame):
-        exit_now(PEER_LOSS_STATUS)
-
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        signal.signal(signal.SIGTERM, leave)
-        signal.signal(signal.SIGINT, leave)
-        signal.signal(signal.SIGHUP, leave)
-        time.sleep(PEER_LOSS_GRACE_S)
+        _exit_after(PEER_LOSS_GRACE_S, PEER_LOSS_STATUS, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
     exit_now(PEER_LOSS_STATUS)
