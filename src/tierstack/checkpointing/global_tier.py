@@ -163,7 +163,8 @@ class GlobalTier(StagedTier):
             self.failures.append(step)
             return None
         job = self._submit_checked(f"GLOBAL checkpoint of step {step}", global_writer.write_request, request,
-                                   staging, attempts=c.save_retries, backoff_s=c.retry_backoff_s)
+                                   staging, attempts=c.save_retries, backoff_s=c.retry_backoff_s,
+                                   check_in_fn=True)  # the non-finite check beside the write
         self._in_flight = _InFlight(step, staging, captured, run_id, extra, request, job, t0)
         self._in_flight.blocked_s = time.perf_counter() - t0
         if not c.async_save:

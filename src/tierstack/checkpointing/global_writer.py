@@ -13,7 +13,10 @@ results (or the first error) into a results queue. What tierstack adds around it
 - retries: a transient error (EIO, ESTALE, ...) of an attempt rewrites this rank's files whole, each
   attempt reporting into a queue of its own; only the successful attempt's results reach the
   request's results queue, which megatron's finalize reads;
-- checksums: each file this rank wrote is checksummed (CRC-32C) for the tier's manifest.
+- checksums: each file this rank wrote is checksummed (CRC-32C) for the tier's manifest, from the
+  page cache while the file's fsync runs (megatron's writer is asked not to fsync; ours does it
+  beside the checksum, before the file's write result is reported), and the non-finite check of
+  the staged buffers runs beside the write: on a sync save neither adds to the time training waits.
 
 Why ``async_strategy="mcore"`` and not the default ``"nvrx"``: nvidia-resiliency-ext 0.7's
 ``FileSystemWriterAsync.prepare_write_data`` clones every CPU tensor on the training thread
@@ -33,9 +36,12 @@ ever crosses threads: :func:`start_results_channel` puts a plain ``queue.Queue``
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 from tierstack.checkpointing import errors, manifest
 from tierstack.runtime import collectives as _dist
@@ -60,30 +66,67 @@ def stage_sharded_tensors(sharded_state_dict: dict, stager: Stager) -> None:
         shard.data = buf
 
 
-def write_request(request, staging: Path, *, attempts: int, backoff_s: float) -> dict[str, dict]:
+def write_request(request, staging: Path, *, attempts: int, backoff_s: float,
+                  check: Optional[Callable[[], None]] = None) -> dict[str, dict]:
     """Writer thread: write this rank's files of a megatron ``AsyncRequest`` with megatron's threaded
-    writer (one thread per bucket, fsync'd), then checksum them.
+    writer (one thread per bucket), each file fsync'd and checksummed at once (:func:`install_error_capture`).
 
     A transient I/O error of an attempt (classified by root cause, :mod:`errors`) is retried
     (``attempts`` in all, backoff doubling from ``backoff_s``); every file of this rank is rewritten
-    whole. Then each file this rank wrote is checksummed (CRC-32C, from the page cache right after
-    the write), also retried on a transient read error. Every failed attempt is logged with the
-    rank, path and errno.
+    whole. Each file is checksummed (CRC-32C, from the page cache while its fsync runs); a file
+    whose checksum is missing is read again, also retried on a transient read error. Every failed
+    attempt is logged with the rank, path and errno.
+
+    ``check``: the non-finite check of the staged buffers, run on a thread of its own beside the
+    write; its error (``NonFiniteStateError``) is raised in place of any write error, and the
+    write results then never reach megatron's finalize.
 
     Returns:
         ``{file name relative to staging: {"size", "crc32c"}}`` of this rank's files.
 
     Raises:
+        NonFiniteStateError: from ``check``.
         The write error (OSError, ...) when it is permanent or attempts ran out.
     """
-    if request.async_fn is None:  # nothing to write on this rank
-        return {}
+    checking = _Beside(check) if check is not None else None
+    try:
+        if request.async_fn is None:  # nothing to write on this rank
+            return {}
+        return _write_and_describe(request, staging, attempts, backoff_s, checking)
+    finally:
+        if checking is not None:  # a non-finite state outranks how the write went
+            checking.result()
+
+
+class _Beside:
+    """``fn()`` on a daemon thread of its own; :meth:`result` joins it and raises its error."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="tierstack-beside", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            self._error = e
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _write_and_describe(request, staging: Path, attempts: int, backoff_s: float,
+                        checking: Optional[_Beside]) -> dict[str, dict]:
     rank, buckets, results_queue = request.async_fn_args
 
     def write_all() -> dict:
         mine: queue.Queue = queue.Queue()  # this attempt's outcome only: a failed one never reaches finalize
         for bucket in buckets:
             _bucket_errors.pop(str(bucket[0]), None)
+            _described.pop(str(bucket[0]), None)
         request.async_fn(rank, buckets, mine)
         out = _original_error(mine.get_nowait(), buckets)
         if isinstance(out, OSError) and out.filename is None:
@@ -94,10 +137,15 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
         return out
 
     results = _with_retries(write_all, f"GLOBAL write of {staging.name}", attempts, backoff_s)
+    described = {bucket[1]: _described.pop(str(bucket[0]), None) for bucket in buckets}
+    missing = [name for name, entry in described.items() if entry is None]
+    if missing:
+        described.update(_with_retries(lambda: manifest.describe_files(staging, missing),
+                                       f"GLOBAL checksum of {staging.name}/{missing}", attempts, backoff_s))
+    if checking is not None:
+        checking.result()  # before finalize can read the results: a non-finite state is never sealed
     results_queue.put(results)
-    names = [bucket[1] for bucket in buckets]
-    return _with_retries(lambda: manifest.describe_files(staging, names),
-                         f"GLOBAL checksum of {staging.name}/{names}", attempts, backoff_s)
+    return dict(sorted(described.items()))
 
 
 # file path -> the exception megatron's per-file writer returned for it. megatron-core 0.19's threaded
@@ -105,11 +153,21 @@ def write_request(request, staging: Path, *, attempts: int, backoff_s: float) ->
 # ``RuntimeError("An error is caught while starting worker ...")`` without its cause, losing the
 # errno that decides whether a retry can help; :func:`install_error_capture` records the original.
 _bucket_errors: dict[str, BaseException] = {}
+# file path -> {"size", "crc32c"} of a file written, fsync'd and checksummed by the wrapper
+_described: dict[str, dict] = {}
 
 
 def install_error_capture() -> None:
     """Wrap megatron's per-file writer (``FileSystemWriterAsync.write_preloaded_data``, looked up on
-    the class at call time) so the exception it returns for a file is kept by path. Idempotent."""
+    the class at call time). Idempotent. For each file (bucket) it writes:
+
+    - the writer runs without its own fsync; the wrapper then fsyncs the file on one thread while
+      it checksums the file from the page cache on this one (:func:`_fsync_and_describe`), and
+      keeps the entry by path for :func:`write_request`. Only then is the file's write result
+      reported (megatron's worker threads report through its local queues, which the wrapper
+      takes over), so no result reaches megatron before its file is durable;
+    - the exception returned for a file, the writer's or the fsync's, is kept by path.
+    """
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     real = FileSystemWriterAsync.write_preloaded_data
@@ -117,14 +175,47 @@ def install_error_capture() -> None:
         return
 
     def capture(*args, **kwargs):
-        out = real(*args, **kwargs)
         bucket = kwargs.get("write_bucket", args[2] if len(args) > 2 else None)
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], BaseException) and bucket is not None:
+        ours = bucket is not None and kwargs.get("use_fsync") is True and not kwargs.get("use_msc") and len(args) <= 1
+        if not ours:  # a call shape this wrapper does not know: megatron's own behaviour
+            out = real(*args, **kwargs)
+        else:
+            out = real(*args, **{**kwargs, "use_fsync": False, "results_queue": None, "count_queue": None})
+            if not _failed(out):
+                try:
+                    _described[str(bucket[0])] = _fsync_and_describe(Path(bucket[0]))
+                except Exception as e:  # noqa: BLE001 - reported as megatron reports a write error
+                    out = (kwargs.get("local_proc_idx", 0), e)
+        if _failed(out) and bucket is not None:
             _bucket_errors[str(bucket[0])] = out[1]
+        if ours and kwargs.get("results_queue") is not None:  # megatron's worker-thread protocol, after the fsync
+            kwargs["results_queue"].put(out)
+        if ours and kwargs.get("count_queue") is not None:
+            kwargs["count_queue"].get()
+            kwargs["count_queue"].task_done()
         return out
 
     capture.__tierstack_capture__ = True
     FileSystemWriterAsync.write_preloaded_data = staticmethod(capture)
+
+
+def _failed(out) -> bool:
+    return isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], BaseException)
+
+
+def _fsync_and_describe(path: Path) -> dict:
+    """fsync ``path`` on a thread while its CRC-32C is computed here (both read the same page cache;
+    the fsync waits on the disk): ``{"size": bytes, "crc32c": int}``. Raises the fsync's OSError."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        syncing = _Beside(lambda: os.fsync(fd))
+        try:
+            entry = {"size": os.fstat(fd).st_size, manifest.CHECKSUM: manifest.checksum_file(path)}
+        finally:
+            syncing.result()
+    finally:
+        os.close(fd)
+    return entry
 
 
 def _original_error(out, buckets):

@@ -18,8 +18,10 @@ stops the run (``on_nonfinite=stop``) or is skipped.
 
 What a checkpoint writes (fp32 main parameters, optimizer moments, model weights: every
 floating-point tensor of its state) is checked where it costs the training loop nothing: on the
-tier's writer thread, in the staging buffers the save copied it into, before any byte of it is
-written (:func:`check_staged`, :class:`NonFiniteStateError`). That is exactly the bytes the file
+tier's writer thread, in the staging buffers the save copied it into (:func:`check_staged`,
+:class:`NonFiniteStateError`): LOCAL before any byte of it is written, GLOBAL beside its write into
+the staging directory (the check then costs a sync save nothing; a failed one discards the
+directory, so nothing is ever published from it). That is exactly the bytes the file
 would hold, and the ranks agree on it in the save's own finalize agreement, before anything is
 sealed or published; :meth:`NonFiniteGuard.state_blocked` then applies ``on_nonfinite``. A
 tensor replicated over data-parallel ranks is checked where it is staged: GLOBAL stages every
@@ -92,7 +94,9 @@ def grads_finite(optimizer: Any) -> bool:
 
 
 def check_staged(buffers: Sequence[torch.Tensor], what: str) -> None:
-    """Writer thread, before a save writes anything: every floating-point staging buffer is finite.
+    """Writer thread, before a save is sealed: every floating-point staging buffer is finite (LOCAL
+    checks before it writes anything; GLOBAL while it writes into its staging directory, which a
+    failed check discards).
 
     Args:
         buffers: the host staging buffers of one save (any shapes and dtypes; integer and bool
@@ -104,7 +108,7 @@ def check_staged(buffers: Sequence[torch.Tensor], what: str) -> None:
     """
     if not tensors_finite([b for b in buffers if b.is_floating_point() and b.numel()]):
         raise NonFiniteStateError(f"{what}: non-finite parameters or optimizer moments on rank {_dist.rank()} "
-                                  "(found in the staged state; nothing of it was written)")
+                                  "(found in the staged state; nothing of it was published)")
 
 
 @dataclass
