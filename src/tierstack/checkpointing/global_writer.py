@@ -13,6 +13,8 @@ results (or the first error) into a results queue. What tierstack adds around it
 - retries: a transient error (EIO, ESTALE, ...) of an attempt rewrites this rank's files whole, each
   attempt reporting into a queue of its own; only the successful attempt's results reach the
   request's results queue, which megatron's finalize reads;
+- early writeback: the disk starts writing each file while megatron's writer still fills it
+  (:mod:`writeback`), so the final fsync waits only for the tail;
 - checksums: each file this rank wrote is checksummed (CRC-32C) for the tier's manifest, from the
   page cache while the file's fsync runs (megatron's writer is asked not to fsync; ours does it
   beside the checksum, before the file's write result is reported), and the non-finite check of
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from tierstack.checkpointing import errors, manifest
+from tierstack.checkpointing import errors, manifest, writeback
 from tierstack.runtime import collectives as _dist
 from tierstack.checkpointing.staging import Stager
 
@@ -161,8 +163,10 @@ def install_error_capture() -> None:
     """Wrap megatron's per-file writer (``FileSystemWriterAsync.write_preloaded_data``, looked up on
     the class at call time). Idempotent. For each file (bucket) it writes:
 
-    - the writer runs without its own fsync; the wrapper then fsyncs the file on one thread while
-      it checksums the file from the page cache on this one (:func:`_fsync_and_describe`), and
+    - the writer runs without its own fsync, with the file's write-out to the disk started while it
+      writes (:class:`~tierstack.checkpointing.writeback.EarlyWriteback`); the wrapper then fsyncs
+      the file on one thread while it checksums the file from the page cache on this one
+      (:func:`_fsync_and_describe`), and
       keeps the entry by path for :func:`write_request`. Only then is the file's write result
       reported (megatron's worker threads report through its local queues, which the wrapper
       takes over), so no result reaches megatron before its file is durable;
@@ -180,7 +184,8 @@ def install_error_capture() -> None:
         if not ours:  # a call shape this wrapper does not know: megatron's own behaviour
             out = real(*args, **kwargs)
         else:
-            out = real(*args, **{**kwargs, "use_fsync": False, "results_queue": None, "count_queue": None})
+            with writeback.EarlyWriteback(Path(bucket[0])):  # the disk works while the file is written
+                out = real(*args, **{**kwargs, "use_fsync": False, "results_queue": None, "count_queue": None})
             if not _failed(out):
                 try:
                     _described[str(bucket[0])] = _fsync_and_describe(Path(bucket[0]))

@@ -108,3 +108,26 @@ def test_a_failed_fsync_is_the_files_write_error(gloo_group, tmp_path, monkeypat
         global_writer.shutdown_results_channel()
     assert info.value.errno == errno.EIO
     assert request.async_fn_args[2].empty()
+
+
+def test_early_writeback_hands_the_file_to_the_disk_while_it_is_written(tmp_path):
+    """The write-out is started repeatedly during the write (sync_file_range succeeds on this file
+    system), the file's bytes are the writer's, and a file that never appears is no error."""
+    from tierstack.checkpointing import writeback
+
+    path = tmp_path / "shard.distcp"
+    chunk = os.urandom(1 << 20)
+    with writeback.EarlyWriteback(path, interval_s=0.01) as wb:
+        time.sleep(0.05)  # the file does not exist yet: the thread waits for it
+        with open(path, "wb") as f:
+            for _ in range(32):
+                f.write(chunk)
+                f.flush()
+                time.sleep(0.01)
+            during = wb.calls
+            os.fsync(f.fileno())
+    assert during >= 5
+    assert path.read_bytes() == chunk * 32
+    with writeback.EarlyWriteback(tmp_path / "never", interval_s=0.01) as wb:
+        time.sleep(0.05)
+    assert wb.calls == 0
