@@ -30,6 +30,7 @@ _TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
 # gloo's advice after the error ("This is typically caused by ... GLHF!"): not part of what happened
 _ADVICE = re.compile(r"\s*This is typically caused by.*", re.S)
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:537] "
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*gloo[^\]]*\.(?:cc|cpp|h):\d+\]")  # "[.../third_party/gloo/gloo/...cc:78]"
 
 
 def _chain(exc: BaseException):
@@ -61,7 +62,11 @@ def peer_lost(exc: BaseException) -> Optional[str]:
         if _PEER_GONE.search(text):
             backend = "gloo" if "gloo" in str(err) or "pair.cc" in str(err) else "collective"
             return f"{backend}: {first}"[:300]
-        if timed_out is None and type(err).__name__ in ("CollectiveError", "DistBackendError") and _TIMED_OUT.search(text):
+        # tierstack's and torch's collective errors, and gloo's own timeout of a training collective
+        # (a plain RuntimeError "[.../unbound_buffer.cc:78] Timed out waiting 15000ms for recv ...":
+        # the peer stopped answering, e.g. a SIGSTOPped rank; found by the chaos soak)
+        collective = type(err).__name__ in ("CollectiveError", "DistBackendError") or _GLOO_SOURCE.match(text)
+        if timed_out is None and collective and _TIMED_OUT.search(text):
             timed_out = f"timed out: {first}"[:300]
     return timed_out
 

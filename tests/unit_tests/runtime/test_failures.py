@@ -45,3 +45,45 @@ def test_an_error_of_the_rank_itself_is_not():
             raise KeyError("save") from inner
     except KeyError as outer:
         assert peer_lost(outer) == "gloo: Read error [10.0.0.2]:4000: Connection reset by peer."
+
+
+def _hung_peer_rank(rank: int, init_file: str, out) -> None:
+    from datetime import timedelta
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=2))
+    t = torch.ones(4)
+    dist.all_reduce(t)  # both alive: works
+    if rank == 1:
+        time.sleep(8)  # stops answering (a SIGSTOPped rank), then leaves
+        out.put(("slept", None))
+        return
+    try:
+        dist.all_reduce(t)
+        out.put(("no error", None))
+    except Exception as exc:  # noqa: BLE001 - the error under test
+        out.put((type(exc).__name__, peer_lost(exc)))
+
+
+def test_gloo_timing_out_on_a_peer_that_stopped_answering_is_a_peer_loss(tmp_path, start_ranks):
+    """gloo's own timeout of a collective (a plain RuntimeError, not a DistBackendError) is "a rank is
+    gone or hung", not the rank's own error: a SIGSTOPped rank in the chaos soak was reported so."""
+    procs, out = start_ranks(_hung_peer_rank, str(tmp_path / "init"))
+    results = [out.get(timeout=120) for _ in range(2)]
+    for p in procs:
+        p.join(timeout=30)
+    name, what = next(r for r in results if r[0] != "slept")
+    assert what is not None and what.startswith("timed out: "), (name, what)
+    assert "Timed out" in what and "[" not in what, what  # gloo's source prefix left out
+
+
+def test_a_timeout_of_the_rank_itself_is_not():
+    assert peer_lost(RuntimeError("Timeout waiting for the tokenizer download")) is None
+    assert peer_lost(TimeoutError("timed out")) is None
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                        "Timed out waiting 15000ms for recv operation to complete")
+    assert peer_lost(gloo) == "timed out: Timed out waiting 15000ms for recv operation to complete"
