@@ -210,12 +210,13 @@ def _failed(out) -> bool:
 
 def _fsync_and_describe(path: Path) -> dict:
     """fsync ``path`` on a thread while its CRC-32C is computed here (both read the same page cache;
-    the fsync waits on the disk): ``{"size": bytes, "crc32c": int}``. Raises the fsync's OSError."""
+    the fsync waits on the disk): the file's manifest entry (:func:`manifest.describe_files`).
+    Raises the fsync's OSError."""
     fd = os.open(path, os.O_RDONLY)
     try:
         syncing = _Beside(lambda: os.fsync(fd))
         try:
-            entry = {"size": os.fstat(fd).st_size, manifest.CHECKSUM: manifest.checksum_file(path)}
+            entry = manifest.describe_files(path.parent, [path.name])[path.name]
         finally:
             syncing.result()
     finally:
