@@ -4,12 +4,12 @@ A save follows the protocol of DESIGN.md: write into ``iter_N.staging-<run>-<att
 seal (manifest with per-file CRC-32C), publish (rank 0 renames the directory, then rewrites the
 trackers atomically), retain.
 
-Both sync and async saves copy the tensors into the tier's reused staging buffers and run
-megatron-core's torch_dist write plan on the tier's writer thread (:mod:`global_writer`, which
-says why not megatron's forked writers); each rank checksums the files it wrote there. A sync save
-waits for the writer; an async one returns, and the loop's finalize (once the writer ended on
-every rank) runs megatron's finalize, seals and publishes with the step and TrainState captured
-when the save was scheduled. At most one save is in flight.
+An async save copies the tensors into the tier's reused staging buffers (a sync one writes host
+tensors in place: training waits for it anyway) and runs megatron-core's torch_dist write plan on
+the tier's writer thread (:mod:`global_writer`, which says why not megatron's forked writers);
+each rank checksums the files it wrote there. A sync save waits for the writer; an async one
+returns, and the loop's finalize (once the writer ended on every rank) runs megatron's finalize,
+seals and publishes with the step and TrainState captured when it was scheduled. One in flight.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class GlobalTier(StagedTier):
                 shutil.rmtree(self.save_root / paths.staging_dir_name(step, run_id, n), ignore_errors=True)
 
         try:
-            staging, request = retry.run_attempts(
+            staging, (request, written) = retry.run_attempts(
                 attempt, attempts=c.save_retries, backoff_s=c.retry_backoff_s, on_failure=cleanup
             )
         except retry.SaveAttemptFailed as e:
@@ -164,7 +164,8 @@ class GlobalTier(StagedTier):
             return None
         job = self._submit_checked(f"GLOBAL checkpoint of step {step}", global_writer.write_request, request,
                                    staging, attempts=c.save_retries, backoff_s=c.retry_backoff_s,
-                                   check_in_fn=True)  # the non-finite check beside the write
+                                   check_in_fn=True,  # the non-finite check beside the write
+                                   checked=written)
         self._in_flight = _InFlight(step, staging, captured, run_id, extra, request, job, t0)
         self._in_flight.blocked_s = time.perf_counter() - t0
         if not c.async_save:
@@ -174,16 +175,16 @@ class GlobalTier(StagedTier):
         return self._in_flight.blocked_s
 
     def _plan(self, sd: dict, staging: Path):
-        """Stage the tensors into the reused buffers, then let megatron plan the write (collective)."""
+        """Collective: stage the tensors, let megatron plan the write; its request, the tensors it writes."""
         from megatron.core import dist_checkpointing
 
-        def plan():
-            global_writer.stage_sharded_tensors(sd, self._stager)
+        def plan():  # a sync save's training waits for the write, which may read the state in place
+            written = global_writer.stage_sharded_tensors(sd, self._stager, in_place=not self.cfg.async_save)
             global_writer.start_results_channel(fresh=True)  # per save: a late writer never feeds the next one
             return dist_checkpointing.save(
                 sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True,
                 async_strategy="mcore",  # threads, no clone of the staged buffers (global_writer)
-            )
+            ), written
 
         return retry.run_agreed(plan)
 

@@ -52,20 +52,43 @@ from tierstack.checkpointing.staging import Stager
 log = logging.getLogger(__name__)
 
 
-def stage_sharded_tensors(sharded_state_dict: dict, stager: Stager) -> None:
+def stage_sharded_tensors(sharded_state_dict: dict, stager: Stager, *, in_place: bool = False) -> list:
     """Copy every ``ShardedTensor``'s data into ``stager``'s buffers and point the tensors at them.
 
     Modifies ``sharded_state_dict`` in place (ShardedTensor factories are applied first, as
     ``dist_checkpointing.save`` would). After this, writing the dict reads only the buffers.
+
+    ``in_place``: the caller keeps the state unchanged until the write has ended (a sync save:
+    training waits for it). Then, when every tensor is already on the host and owns its storage
+    (:func:`writable_in_place`), nothing is copied: the write reads the tensors where they are, as
+    ``torch.distributed.checkpoint.save`` and megatron's own sync save do, and the staging buffers
+    are never allocated. Otherwise (a tensor on the GPU, or a view that megatron would clone on the
+    training thread) everything is staged as without it.
+
+    Returns:
+        the tensors the write will read (the buffers, or the state's own tensors), in one list, for
+        the non-finite check.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     apply_factories(sharded_state_dict)
     shards = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor) and v.data is not None]
+    if in_place and all(writable_in_place(s.data) for s in shards):
+        for shard in shards:
+            shard.data = shard.data.detach()
+        return [s.data for s in shards]
     buffers = stager.stage([s.data for s in shards])
     for shard, buf in zip(shards, buffers):
         shard.data = buf
+    return buffers
+
+
+def writable_in_place(t) -> bool:
+    """``t`` can be written as it is: on the host and the sole user of its storage (megatron's
+    writer clones a CPU tensor whose storage is larger than itself, ``_clone_or_dequantize_if_needed``,
+    and a GPU tensor needs a device-to-host copy)."""
+    return t.device.type == "cpu" and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def write_request(request, staging: Path, *, attempts: int, backoff_s: float,

@@ -169,7 +169,8 @@ class StagedTier:
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [self._retention.submit(job)]
 
     def _submit_checked(self, what: str, fn: Callable, *args, then: Optional[Callable[[bool], None]] = None,
-                        check_in_fn: bool = False, **kwargs) -> Future:
+                        check_in_fn: bool = False, checked: Optional[Sequence[torch.Tensor]] = None,
+                        **kwargs) -> Future:
         """Hand ``fn(*args, **kwargs)`` to the writer thread behind the non-finite check of the
         buffers just staged (:func:`~tierstack.checkpointing.nonfinite_guard.check_staged`): a
         non-finite state raises ``NonFiniteStateError`` there and ``fn`` never runs, so nothing
@@ -183,10 +184,13 @@ class StagedTier:
         ``then(ok)``, when given, runs on the writer thread after ``fn`` whatever happened (``ok``:
         the check passed and ``fn`` returned): for a step every rank must take part in, such as
         LOCAL replication's exchange. With ``ok`` False it must not raise (the first error is the
-        save's outcome); with ``ok`` True an error it raises fails the save."""
+        save's outcome); with ``ok`` True an error it raises fails the save.
+
+        ``checked``: the tensors the write reads, when they are not the staging buffers (a GLOBAL
+        sync save that writes the state in place, :func:`global_writer.stage_sharded_tensors`)."""
         from tierstack.checkpointing.nonfinite_guard import check_staged
 
-        buffers = self._stager.buffers
+        buffers = self._stager.buffers if checked is None else list(checked)
 
         def checked():
             ok = False
