@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from tierstack.checkpointing import (best, compat, errors, global_writer, manifest, model_settings, paths, publish,
-                                     rank0_phases, retention, retry, safe_load)
+                                     rank0_phases, retention, retry, safe_load, sharding_check)
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing import rewind
 from tierstack.checkpointing.global_reader import GlobalReader
@@ -68,6 +68,7 @@ class GlobalTier(StagedTier):
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
                  run_config: Mapping[str, Any], on_publish: Callable[[SaveEvent], None] = lambda e: None):
         super().__init__("GLOBAL", cfg.async_write_timeout_s)
+        self._sharding = sharding_check.ShardingValidation()
         self.cfg = cfg
         self.layout = parallel_layout
         self.run_config = run_config
@@ -175,18 +176,10 @@ class GlobalTier(StagedTier):
         return self._in_flight.blocked_s
 
     def _plan(self, sd: dict, staging: Path):
-        """Collective: stage the tensors, let megatron plan the write; its request, the tensors it writes."""
-        from megatron.core import dist_checkpointing
-
-        def plan():  # a sync save's training waits for the write, which may read the state in place
-            written = global_writer.stage_sharded_tensors(sd, self._stager, in_place=not self.cfg.async_save)
-            global_writer.start_results_channel(fresh=True)  # per save: a late writer never feeds the next one
-            return dist_checkpointing.save(
-                sd, str(staging), sharded_strategy=self._save_strategy(), async_sharded_save=True,
-                async_strategy="mcore",  # threads, no clone of the staged buffers (global_writer)
-            ), written
-
-        return retry.run_agreed(plan)
+        """Collective: stage and plan (:func:`global_writer.plan`); its request, the tensors it writes."""
+        return retry.run_agreed(lambda: global_writer.plan(
+            sd, staging, self._stager, self._save_strategy(), in_place=not self.cfg.async_save,
+            sharding=self._sharding))
 
     def _make_staging(self, staging: Path) -> None:
         if _dist.rank() == 0:

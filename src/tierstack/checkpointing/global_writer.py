@@ -91,6 +91,28 @@ def writable_in_place(t) -> bool:
     return t.device.type == "cpu" and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def plan(sd: dict, staging: Path, stager: Stager, strategy, *, in_place: bool, sharding) -> tuple:
+    """Collective: stage ``sd``'s tensors (:func:`stage_sharded_tensors`; ``in_place`` for a sync
+    save, whose training waits for the write) and let megatron-core plan the write into ``staging``
+    with ``strategy``, its sharding validated when ``sharding``
+    (:class:`~tierstack.checkpointing.sharding_check.ShardingValidation`) says so.
+
+    Returns:
+        megatron's ``AsyncRequest`` (for :func:`write_request`) and the tensors it writes.
+    """
+    from megatron.core import dist_checkpointing
+
+    written = stage_sharded_tensors(sd, stager, in_place=in_place)
+    start_results_channel(fresh=True)  # per save: a late writer never feeds the next one
+    validate, signature = sharding.needed(sd)
+    request = dist_checkpointing.save(
+        sd, str(staging), sharded_strategy=strategy, async_sharded_save=True, validate_access_integrity=validate,
+        async_strategy="mcore",  # threads, no clone of the staged buffers (module docstring)
+    )
+    sharding.passed(signature)
+    return request, written
+
+
 def write_request(request, staging: Path, *, attempts: int, backoff_s: float,
                   check: Optional[Callable[[], None]] = None) -> dict[str, dict]:
     """Writer thread: write this rank's files of a megatron ``AsyncRequest`` with megatron's threaded
