@@ -30,6 +30,7 @@ Why each choice, measured on 2 CPU ranks (README, "In-process restart"): NVRx's 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -112,6 +113,11 @@ def _warm_imports() -> None:
     import tierstack.training.setup  # noqa: F401
     import tierstack.training.train  # noqa: F401
 
+    # Everything imported so far lives as long as the process: out of the collector's sight, so
+    # the full collections NVRx runs before each restart (``while gc.collect()``) stay short.
+    gc.collect()
+    gc.freeze()
+
 
 def _job_store(processes: int, timeout_s: float) -> tuple[dist.Store, str]:
     """The job's store and a prefix of this start: torchrun's agent store, or one the slot of
@@ -183,12 +189,17 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     job = dist.PrefixStore(job_prefix, dist.TCPStore(  # the slot's connection stays the slot's
         os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timedelta(seconds=timeout_s)))
-    wrapper = inprocess.Wrapper(**wrapper_arguments(config, job_prefix))
-    if not has_gpu():  # NVRx adds NVML GPU/NVLink/NIC checks before each restart: none on a CPU
-        wrapper.restart_health_check = None
+    # NVRx adds NVML GPU/NVLink/NIC checks before each restart when LOCAL_RANK is set (and logs an
+    # NVML error per rank building them on a machine without a GPU): none on a CPU
+    local_rank = None if has_gpu() else os.environ.pop("LOCAL_RANK", None)
+    try:
+        wrapper = inprocess.Wrapper(**wrapper_arguments(config, job_prefix))
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
     limit = config.resiliency.max_in_process_restarts
 
-    def attempt(call_wrapper: Optional[inprocess.CallWrapper] = None):
+    def attempt(call_wrapper=None):
         n = call_wrapper.iteration
         if n > limit:
             raise RestartLimitReached(f"{n} in-process restarts: more than resiliency.max_in_process_restarts={limit}")
@@ -201,6 +212,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         finally:
             attempt_store.use_attempt_store(None)
 
+    attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
     wrapper(attempt)()
     rank_slot.mark_done(job)
     return 0
