@@ -105,13 +105,11 @@ def run(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) -> int
 
 def _warm_imports() -> None:
     """What set-up imports, imported once in the slot before the fork: a spare starts warm."""
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import nvidia_resiliency_ext.inprocess  # noqa: F401
+    import importlib
 
-    import tierstack.checkpointing  # noqa: F401
-    import tierstack.training.setup  # noqa: F401
-    import tierstack.training.train  # noqa: F401
+    for name in ("megatron.core.models.gpt", "megatron.core.optimizer", "nvidia_resiliency_ext.inprocess",
+                 "tierstack.checkpointing", "tierstack.training.setup", "tierstack.training.train"):
+        importlib.import_module(name)  # by name: resiliency never imports training (imports go downwards)
 
     # Everything imported so far lives as long as the process: out of the collector's sight, so
     # the full collections NVRx runs before each restart (``while gc.collect()``) stay short.
@@ -207,15 +205,63 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             log.warning("in-process restart %d: rank %s of %s continues in process %d", n,
                         os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.getpid())
         attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
+        _watch.begin(call_wrapper)
         try:
             return train(config)
         finally:
+            _watch.end()
             attempt_store.use_attempt_store(None)
 
     attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
     wrapper(attempt)()
     rank_slot.mark_done(job)
     return 0
+
+
+class _HangWatch:
+    """Hang protection (NVRx's soft and hard timeouts) from the first step of each attempt on.
+
+    Why not during set-up: a healthy rank waits in set-up's collectives (GIL released, so NVRx's
+    progress pings do not run) for a spare that builds its model for the first time, or for a
+    slow resume; that wait is no hang, and NVRx would restart (or, past the hard timeout, kill) a
+    healthy rank for it. A rank that stops during set-up is still found: the others' collectives
+    time out (``distributed.timeout_s``) and fail.
+    """
+
+    def __init__(self) -> None:
+        self._wrapper = None
+        self._armed = False
+
+    def begin(self, call_wrapper) -> None:
+        self._wrapper, self._armed = call_wrapper, False
+        call_wrapper._disable_hang_protection()  # NVRx's own switch (its context manager spans one block)
+
+    def step_done(self) -> None:
+        if self._wrapper is not None and not self._armed:
+            self._wrapper._enable_hang_protection()
+            self._armed = True
+
+    def end(self) -> None:
+        if self._wrapper is not None and not self._armed:
+            self._wrapper._enable_hang_protection()  # the wrapper's own barriers run with it on
+        self._wrapper, self._armed = None, False
+
+
+_watch = _HangWatch()
+
+
+def watch_steps(on_step: Optional[Callable]) -> Optional[Callable]:
+    """``on_step`` that also arms the hang protection at the first step of an in-process attempt;
+    ``on_step`` itself outside one (``pretrain`` wraps its callback with this)."""
+    if _watch._wrapper is None:
+        return on_step
+
+    def step_done(train_state, result) -> None:
+        _watch.step_done()
+        if on_step is not None:
+            on_step(train_state, result)
+
+    return step_done
 
 
 class _ReleaseGroups:
