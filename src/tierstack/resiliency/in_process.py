@@ -202,8 +202,11 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         if n > limit:
             raise RestartLimitReached(f"{n} in-process restarts: more than resiliency.max_in_process_restarts={limit}")
         if n:
-            log.warning("in-process restart %d: rank %s of %s continues in process %d", n,
-                        os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.getpid())
+            aborted = _timeline.get("abort_start")
+            log.warning("in-process restart %d: rank %s of %s continues in process %d%s", n, os.environ.get("RANK"),
+                        os.environ.get("WORLD_SIZE"), os.getpid(), "" if aborted is None else
+                        f" ({time.time() - aborted:.2f} s after its abort began, of which "
+                        f"{_timeline['abort_end'] - aborted:.2f} s releasing the process groups)")
         attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
         _watch.begin(call_wrapper)
         try:
@@ -233,13 +236,16 @@ class _HangWatch:
         self._armed = False
 
     def begin(self, call_wrapper) -> None:
-        self._wrapper, self._armed = call_wrapper, False
+        self._wrapper, self._armed, self._began = call_wrapper, False, time.time()
         call_wrapper._disable_hang_protection()  # NVRx's own switch (its context manager spans one block)
 
     def step_done(self) -> None:
         if self._wrapper is not None and not self._armed:
             self._wrapper._enable_hang_protection()
             self._armed = True
+            if self._wrapper.iteration:
+                log.info("in-process restart %d: first step done %.2f s after the attempt began (set-up, resume, "
+                         "step)", self._wrapper.iteration, time.time() - self._began)
 
     def end(self) -> None:
         if self._wrapper is not None and not self._armed:
@@ -248,6 +254,7 @@ class _HangWatch:
 
 
 _watch = _HangWatch()
+_timeline: dict[str, float] = {}  # unix times of this process's last abort (the restart's log line)
 
 
 def watch_steps(on_step: Optional[Callable]) -> Optional[Callable]:
@@ -274,9 +281,9 @@ class _ReleaseGroups:
             def __call__(self, state):
                 from tierstack.runtime import release_distributed
 
-                t0 = time.perf_counter()
+                _timeline["abort_start"] = time.time()
                 release_distributed()
-                log.info("in-process restart: process groups released in %.3f s", time.perf_counter() - t0)
+                _timeline["abort_end"] = time.time()
                 return state
 
         return ReleaseGroups()
