@@ -23,12 +23,13 @@ class ResiliencyConfig(_Section):
     """Restart of a failed rank: by the launcher (new processes) or in-process (healthy ranks stay)."""
 
     restart: str = "launcher"  # "launcher" | "in-process"
-    # Seconds a rank may go without progress (a step, or its watchdog thread's ping) before it is
-    # taken as hung: it is then interrupted and, if it does not answer, killed and replaced.
+    # Seconds a rank may go without progress (NVRx's watchdog pings while its main thread runs
+    # Python; armed from each attempt's first step) before it is taken as hung: the ranks restart,
+    # and it is killed and replaced after half as long again (at least 0.5 s) if it does not answer.
     # Needed by restart=in-process (a hung rank is only found by this timeout); null = none.
     heartbeat_timeout_s: Optional[float] = None
-    # Warm spare ranks started with the job (torchrun --nproc-per-node counts them): imports and
-    # set-up done, they wait to take the rank of a process that died. Active ranks = world - spares.
+    # Warm spare ranks started with the job (torchrun --nproc-per-node counts them): imports done,
+    # they wait to take the rank of a process that died. Active ranks = processes - spares.
     spare_ranks: int = 0
     # In-process restarts allowed before the job fails (then the launcher's restart, if any, follows).
     max_in_process_restarts: int = 8

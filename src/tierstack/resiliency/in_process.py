@@ -54,8 +54,10 @@ TERMINATION_GRACE_S = 0.2  # SIGTERM to SIGKILL of a rank that hung past the har
 
 
 class RestartLimitReached(BaseException):
-    """More in-process restarts than ``resiliency.max_in_process_restarts``: the job ends (a
-    BaseException, so NVRx does not take it for one more failure to restart from)."""
+    """More in-process restarts than ``resiliency.max_in_process_restarts``, or fewer ranks left
+    than the run trains on (no spare left to replace a dead one): the job ends, with an error
+    status, so the launcher's restart (``torchrun --max-restarts``) takes over if there is one.
+    A BaseException, so NVRx does not take it for one more failure to restart from."""
 
 
 def check(config: ConfigContainer, processes: int, environ: Optional[dict] = None) -> None:
@@ -100,15 +102,26 @@ def run(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) -> int
     timeout_s = config.distributed.timeout_s
     raw, prefix = _job_store(processes, timeout_s)
     job = dist.PrefixStore(prefix, raw)
-    return rank_slot.run_in_slot(lambda: _rank_main(config, train, prefix, timeout_s, job), job)
+    return rank_slot.run_in_slot(lambda: _rank_main(config, train, prefix, timeout_s), job)
+
+
+_WARM_MODULES = (  # what set-up and the first step import on their way (a spare's first set-up is on the clock)
+    "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
+    "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict", "nvidia_resiliency_ext.inprocess",
+    "tierstack.checkpointing", "tierstack.checkpointing.local_tier", "tierstack.checkpointing.global_tier",
+    "tierstack.data.datasets", "tierstack.data.samplers", "tierstack.data.tokenizers", "tierstack.models.gpt",
+    "tierstack.observability.run_loggers", "tierstack.observability.console", "tierstack.observability.history",
+    "tierstack.resiliency.restarts", "tierstack.hf.pretrained", "tierstack.training.optim",
+    "tierstack.training.forward", "tierstack.training.setup", "tierstack.training.train",
+)
 
 
 def _warm_imports() -> None:
     """What set-up imports, imported once in the slot before the fork: a spare starts warm."""
     import importlib
 
-    for name in ("megatron.core.models.gpt", "megatron.core.optimizer", "nvidia_resiliency_ext.inprocess",
-                 "tierstack.checkpointing", "tierstack.training.setup", "tierstack.training.train"):
+    for name in _WARM_MODULES:
         importlib.import_module(name)  # by name: resiliency never imports training (imports go downwards)
 
     # Everything imported so far lives as long as the process: out of the collector's sight, so
@@ -178,7 +191,7 @@ def wrapper_arguments(config: ConfigContainer, job_prefix: str) -> dict:
     )
 
 
-def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeout_s: float, job: dist.Store) -> int:
+def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeout_s: float) -> int:
     """The forked rank: NVRx's wrapper around one attempt of ``train`` per restart iteration."""
     from nvidia_resiliency_ext import inprocess
 
@@ -196,11 +209,16 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = local_rank
     limit = config.resiliency.max_in_process_restarts
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks  # what the run trains on
 
     def attempt(call_wrapper=None):
         n = call_wrapper.iteration
         if n > limit:
             raise RestartLimitReached(f"{n} in-process restarts: more than resiliency.max_in_process_restarts={limit}")
+        if int(os.environ["WORLD_SIZE"]) < ranks:  # never a silently smaller data-parallel world
+            raise RestartLimitReached(f"in-process restart {n}: {os.environ['WORLD_SIZE']} rank(s) left of {ranks} "
+                                      f"(resiliency.spare_ranks={config.resiliency.spare_ranks} used up); the "
+                                      "launcher's restart takes over")
         if n:
             aborted = _timeline.get("abort_start")
             log.warning("in-process restart %d: rank %s of %s continues in process %d%s", n, os.environ.get("RANK"),
