@@ -138,7 +138,7 @@ def _pretrain_here(config: ConfigContainer) -> int:
     if config.resiliency.in_process and under_torchrun():  # NVRx's wrapper restarts pretrain in this process
         from tierstack.resiliency import in_process
 
-        return in_process.run(config, pretrain)
+        return in_process.run(config, pretrain, rehearse=pretrain)
     try:
         pretrain(config)
     except BadInputError as exc:  # raised alike on every rank, after pretrain() cleaned up

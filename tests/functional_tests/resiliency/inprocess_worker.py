@@ -67,7 +67,7 @@ def main() -> int:
             print(f"FINAL step={state.step} resumed_from={state.resumed_from} pid={os.getpid()}", flush=True)
         return state
 
-    return in_process.run(cfg, train)
+    return in_process.run(cfg, train, rehearse=pretrain)  # the spare rehearses without on_step
 
 
 if __name__ == "__main__":
