@@ -242,7 +242,12 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             attempt_store.use_attempt_store(None)
 
     attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
-    wrapper(attempt)()
+    with inprocess.CallWrapper(wrapper) as call_wrapper:  # what ``wrapper(attempt)()`` does, with its watchdog at hand
+        liveness = _Liveness(call_wrapper.progress_watchdog)
+        try:
+            call_wrapper(attempt, (), {})
+        finally:
+            liveness.close()
     rank_slot.mark_done(job)
     return 0
 
@@ -290,36 +295,55 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
     return seconds
 
 
-class _HangWatch:
-    """Hang protection (NVRx's soft and hard timeouts) from the first step of each attempt on.
+class _Liveness:
+    """What NVRx's hang protection (soft and hard timeouts) is told about this rank: that its
+    process runs. A thread sends NVRx's progress timestamp every ``PROGRESS_INTERVAL_S``.
 
-    Why not during set-up: a healthy rank waits in set-up's collectives (GIL released, so NVRx's
-    progress pings do not run) for a spare that builds its model for the first time, or for a
-    slow resume; that wait is no hang, and NVRx would restart (or, past the hard timeout, kill) a
-    healthy rank for it. A rank that stops during set-up is still found: the others' collectives
-    time out (``distributed.timeout_s``) and fail.
+    Why: NVRx's own watchdog stamps progress through ``Py_AddPendingCall``, which runs only while
+    the main thread executes Python. With NCCL the main thread goes on while a collective waits on
+    the GPU; with gloo it blocks inside the collective. So a healthy rank waiting in an all-reduce
+    for a stopped peer looked as hung as the peer: both reached the hard timeout together, and
+    NVRx killed the healthy rank too (seen here: the SIGSTOP scenario failed 1 run in 3). A
+    stopped or frozen process runs no thread, so it is still found within
+    ``resiliency.heartbeat_timeout_s``; a collective that never returns is bounded by
+    ``distributed.timeout_s``, like any collective.
     """
+
+    def __init__(self, watchdog) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(watchdog,), name="tierstack-liveness", daemon=True)
+        self._thread.start()
+
+    def _run(self, watchdog) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
+            watchdog.reset()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _HangWatch:
+    """Times each attempt from its start to its first step (the restart's log line)."""
 
     def __init__(self) -> None:
         self._wrapper = None
-        self._armed = False
+        self._began = 0.0
 
     def begin(self, call_wrapper) -> None:
-        self._wrapper, self._armed, self._began = call_wrapper, False, time.time()
-        call_wrapper._disable_hang_protection()  # NVRx's own switch (its context manager spans one block)
+        self._wrapper, self._began = call_wrapper, time.time()
 
     def step_done(self) -> None:
-        if self._wrapper is not None and not self._armed:
-            self._wrapper._enable_hang_protection()
-            self._armed = True
+        if self._wrapper is not None:
             if self._wrapper.iteration:
                 log.info("in-process restart %d: first step done %.2f s after the attempt began (set-up, resume, "
                          "step)", self._wrapper.iteration, time.time() - self._began)
+            self._wrapper = None
 
     def end(self) -> None:
-        if self._wrapper is not None and not self._armed:
-            self._wrapper._enable_hang_protection()  # the wrapper's own barriers run with it on
-        self._wrapper, self._armed = None, False
+        self._wrapper = None
 
 
 _watch = _HangWatch()
@@ -327,8 +351,8 @@ _timeline: dict[str, float] = {}  # unix times of this process's last abort (the
 
 
 def watch_steps(on_step: Optional[Callable]) -> Optional[Callable]:
-    """``on_step`` that also arms the hang protection at the first step of an in-process attempt;
-    ``on_step`` itself outside one (``pretrain`` wraps its callback with this)."""
+    """``on_step`` that also logs the first step of an in-process restart's attempt; ``on_step``
+    itself outside one (``pretrain`` wraps its callback with this)."""
     if _watch._wrapper is None:
         return on_step
 

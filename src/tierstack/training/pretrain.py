@@ -45,7 +45,7 @@ def pretrain(
 
     configure_logging(log_file=config.logger.rank_log_path(int(os.environ.get("RANK", "0"))))
     forward_step_func = forward_step_func or gpt_forward_step
-    on_step = watch_steps(on_step)  # under in-process restart: hang protection from the first step on
+    on_step = watch_steps(on_step)  # under in-process restart: its first step is logged with its time
     with contextlib.ExitStack() as closers:
         exit_request = ExitRequest(early_warning=config.train.exit_signal)
         closers.callback(exit_request.restore)
