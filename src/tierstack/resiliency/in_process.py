@@ -199,6 +199,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
                rehearse: Optional[Callable]) -> int:
     """The forked rank: NVRx's wrapper around one attempt of ``train`` per restart iteration."""
     from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess.rank_assignment import RankDiscarded
 
     from tierstack.runtime import has_gpu
 
@@ -246,6 +247,10 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         liveness = _Liveness(call_wrapper.progress_watchdog)
         try:
             call_wrapper(attempt, (), {})
+        except RankDiscarded:  # taken out of the job (it hung: NVRx resumed it to end it); the job goes on
+            log.warning("rank %s: discarded by the in-process restart (its place was given to a spare)",
+                        os.environ.get("RANK"))
+            return rank_slot.DISCARDED
         finally:
             liveness.close()
     rank_slot.mark_done(job)

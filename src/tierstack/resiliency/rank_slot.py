@@ -6,7 +6,7 @@ worker of the node and, with ``--max-restarts``, starts them all again: the heal
 their processes, which is what in-process restart is there to avoid. So the torchrun worker is
 only a slot: it forks the rank (imports are done before the fork, so the child starts warm) and
 waits for it. A child that ends normally ends the slot with its status. A child that dies by a
-signal leaves the slot waiting, quietly, until the job is over (another rank, a warm spare, has
+signal, or exits with :data:`DISCARDED` (the in-process restart took it out of the job), leaves the slot waiting, quietly, until the job is over (another rank, a warm spare, has
 taken its place), and the slot then exits 0; when the job fails instead, torchrun stops the slot
 together with the others.
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 DONE_KEY = "job/done"
+DISCARDED = 75  # a rank's exit status meaning "taken out of the job, which goes on": its slot waits
 _POLL_S = 0.2  # how often an orphaned slot looks for the end of the job (and for its agent)
 
 
@@ -65,11 +66,11 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _f, child=pid: _forward(child, s))
     _, status = os.waitpid(pid, 0)
-    if os.WIFEXITED(status):
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) != DISCARDED:
         return os.WEXITSTATUS(status)
-    sig = os.WTERMSIG(status)
-    log.warning("rank slot %s: its rank (pid %d) died by %s; waiting for the job to finish without it",
-                os.environ.get("RANK", "?"), pid, signal.Signals(sig).name)
+    how = "was discarded" if os.WIFEXITED(status) else f"died by {signal.Signals(os.WTERMSIG(status)).name}"
+    log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it",
+                os.environ.get("RANK", "?"), pid, how)
     return wait_for_job(store)
 
 
