@@ -30,8 +30,6 @@ Why each choice, measured on 2 CPU ranks (README, "In-process restart"): NVRx's 
 
 from __future__ import annotations
 
-import copy
-import gc
 import logging
 import os
 import time
@@ -41,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from tierstack.config import ConfigContainer, ConfigError
-from tierstack.resiliency import rank_slot
+from tierstack.resiliency import rank_slot, warm_spare
 from tierstack.runtime import attempt_store
 
 log = logging.getLogger(__name__)
@@ -92,7 +90,8 @@ def run(config: ConfigContainer, train: Callable[[ConfigContainer], Any],
     The worker becomes a rank slot and forks the rank; the rank runs ``train`` inside NVRx's
     wrapper, again after every failure, up to ``resiliency.max_in_process_restarts`` times.
     ``rehearse`` (e.g. ``pretrain``, without the caller's callbacks): what a spare runs once at
-    start on a private 1-rank world (:func:`warm_up`); None: spares start with imports only.
+    start on a private 1-rank world (:func:`~tierstack.resiliency.warm_spare.warm_up`); None: spares
+    start with imports only.
 
     Raises:
         ConfigError: see :func:`check` (before any process group, store or fork exists).
@@ -101,37 +100,12 @@ def run(config: ConfigContainer, train: Callable[[ConfigContainer], Any],
     check(config, processes)
     from tierstack.checkpointing import local_memory
 
-    _warm_imports()
+    warm_spare.warm_imports()
     local_memory.enable()
     timeout_s = config.distributed.timeout_s
     raw, prefix = _job_store(processes, timeout_s)
     job = dist.PrefixStore(prefix, raw)
     return rank_slot.run_in_slot(lambda: _rank_main(config, train, prefix, timeout_s, rehearse), job)
-
-
-_WARM_MODULES = (  # what set-up and the first step import on their way (a spare's first set-up is on the clock)
-    "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
-    "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.dist_checkpointing.tensor_aware_state_dict", "nvidia_resiliency_ext.inprocess",
-    "tierstack.checkpointing", "tierstack.checkpointing.local_tier", "tierstack.checkpointing.global_tier",
-    "tierstack.data.datasets", "tierstack.data.samplers", "tierstack.data.tokenizers", "tierstack.models.gpt",
-    "tierstack.observability.run_loggers", "tierstack.observability.console", "tierstack.observability.history",
-    "tierstack.resiliency.restarts", "tierstack.hf.pretrained", "tierstack.training.optim",
-    "tierstack.training.forward", "tierstack.training.setup", "tierstack.training.train",
-)
-
-
-def _warm_imports() -> None:
-    """What set-up imports, imported once in the slot before the fork: a spare starts warm."""
-    import importlib
-
-    for name in _WARM_MODULES:
-        importlib.import_module(name)  # by name: resiliency never imports training (imports go downwards)
-
-    # Everything imported so far lives as long as the process: out of the collector's sight, so
-    # the full collections NVRx runs before each restart (``while gc.collect()``) stay short.
-    gc.collect()
-    gc.freeze()
 
 
 def _job_store(processes: int, timeout_s: float) -> tuple[dist.Store, str]:
@@ -205,7 +179,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
 
     spare = int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks
     if spare and rehearse is not None:
-        warm_up(config, rehearse)  # a spare: its first set-up and step now, not after a failure
+        warm_spare.warm_up(config, rehearse)  # a spare: its first set-up and step now, not after a failure
     job = dist.PrefixStore(job_prefix, dist.TCPStore(  # the slot's connection stays the slot's
         os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timedelta(seconds=timeout_s)))
@@ -255,49 +229,6 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             liveness.close()
     rank_slot.mark_done(job)
     return 0
-
-
-_WARM_ENV = ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
-def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) -> float:
-    """A spare's rehearsal: ``train`` on a private 1-rank world (no port; a temporary run directory
-    that holds its checkpoints; no loggers; 1 step), so that what a process does the first time (lazy imports,
-    first kernels and allocator pools, the data pipeline's first batch) is paid before any failure,
-    not between a failure and the first step. Logged quietly; any error of it only means a cold
-    spare (logged), never a failed job. Returns its seconds.
-    """
-    import logging as _logging
-    import tempfile
-
-    t0 = time.perf_counter()
-    saved = {k: os.environ.pop(k) for k in _WARM_ENV if k in os.environ}
-    _logging.disable(_logging.WARNING)  # a rehearsal: its own lines (a step, a save) are not the run's
-    try:
-        with tempfile.TemporaryDirectory(prefix="tierstack-warm-") as tmp:
-            rehearsal = copy.deepcopy(config)
-            rehearsal.apply_overrides([
-                f"logger.run_dir={tmp}", "logger.tensorboard_dir=null", "logger.loss_curve=false",
-                "logger.progress_bar=false", "logger.rank_log_dir=null", f"checkpoint.save={tmp}/global",
-                "checkpoint.load=null", f"checkpoint.local_dir={tmp}/local", "checkpoint.pretrained_checkpoint=null",
-                "checkpoint.replication_factor=1",
-                "distributed.tensor_model_parallel_size=1", "distributed.pipeline_model_parallel_size=1",
-                "train.train_iters=1", "train.eval_interval=null", "train.exit_interval=null",
-                f"train.global_batch_size={config.train.micro_batch_size}", "mlflow=null", "wandb=null",
-                "straggler=null", "resiliency.restart=launcher", "resiliency.spare_ranks=0",
-            ])
-            train(rehearsal)
-    except Exception as e:  # noqa: BLE001 - a cold spare still works
-        log.warning("spare warm-up failed (%s: %s); the spare starts cold", type(e).__name__, e)
-    finally:
-        _logging.disable(_logging.NOTSET)
-        os.environ.update(saved)
-        from tierstack.runtime import release_distributed
-
-        release_distributed()
-    seconds = time.perf_counter() - t0
-    log.info("spare %s: warmed up in %.2f s", saved.get("RANK", "?"), seconds)
-    return seconds
 
 
 class _Liveness:
