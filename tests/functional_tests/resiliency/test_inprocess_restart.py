@@ -2,7 +2,8 @@
 1 warm spare (``--nproc-per-node 3``, ``resiliency.spare_ranks=1``), 30 steps of the tiny GPT, LOCAL
 every 5. After step 12 one rank raises, is SIGKILLed, or is SIGSTOPped: the healthy ranks keep their
 processes, resume step 10 from host memory, a dead (or hung, then killed) rank is replaced by the
-spare, and the job ends with the losses of an uninterrupted run, bit for bit.
+spare, and the job ends with the losses of an uninterrupted run, bit for bit. Without a spare,
+``torchrun --max-restarts`` takes over (the outer layer).
 
 Each scenario prints its fail -> first step time (the fault's unix time to the end of the first
 step after the restart; under ``-s``), the number the README reports.
@@ -16,10 +17,10 @@ import pytest
 from launcher import run_torchrun
 
 WORKER = Path(__file__).with_name("inprocess_worker.py")
-NPROC = 3  # 2 active ranks + 1 spare
+ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks processes
 
 
-def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0):
+def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=()):
     out.mkdir()
     run = out / "run"
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's and the store's per-poll warnings
@@ -28,7 +29,8 @@ def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0):
     proc = run_torchrun([WORKER, out, f"logger.run_dir={run}", "train.train_iters=30", "checkpoint.local_save_interval=5",
                          f"checkpoint.save={run}/global", f"checkpoint.local_dir={run}/local",
                          "resiliency.restart=in-process", f"resiliency.heartbeat_timeout_s={heartbeat_s}",
-                         "resiliency.spare_ranks=1"], nproc=NPROC, timeout=240, env=env)
+                         f"resiliency.spare_ranks={spares}"], nproc=ACTIVE + spares, timeout=240, env=env,
+                        launcher_args=list(launcher_args))
     records = {r: [json.loads(x) for x in (out / f"losses_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
     return proc, proc.stdout + proc.stderr, records
 
@@ -88,3 +90,18 @@ def test_a_stopped_rank_is_killed_after_the_heartbeat_timeout_and_replaced(tmp_p
     pids = [x["pid"] for x in records[1]]
     assert pids[0] != pids[-1]
     assert fail_s > 2.0  # found by the heartbeat timeout (resiliency.heartbeat_timeout_s=2), not before
+
+
+@pytest.mark.slow
+def test_without_a_spare_the_launchers_restart_takes_over(tmp_path, uninterrupted):
+    """``resiliency.spare_ranks=0`` under ``torchrun --max-restarts 1``: a killed rank cannot be
+    replaced in-process, so the job ends (never a silently smaller world) and torchrun restarts it."""
+    out = tmp_path / "no-spare"
+    proc, log, records = _launch(out, "kill", spares=0, launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, log[-6000:]
+    assert "1 rank(s) left of 2 (resiliency.spare_ranks=0 used up)" in log
+    assert json.loads((out / "run" / "restarts.json").read_text())["restarts"] == 1
+    assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=30 resumed_from=[10]" in log
+    for rank in (0, 1):
+        final = {x["step"]: x["loss"] for x in records[rank]}
+        assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
