@@ -1,6 +1,6 @@
 """The ``tierstack`` command: ``pretrain``, ``preprocess``, ``checkpoints ls|verify``, ``convert``, ``generate``.
 
-``tierstack pretrain [RECIPE] [--nproc-per-node N [--max-restarts R]] [--config-file F] [--print-config |
+``tierstack pretrain [RECIPE] [--nproc-per-node N [--max-restarts R]] [--restart launcher|in-process] [--config-file F] [--print-config |
 --dry-run | --help] [section.field=value ...]`` runs a recipe by name
 (``gpt_tiny`` by default, the same function as ``recipes/gpt_tiny.py``) or from a recipe file. With
 ``--nproc-per-node`` it validates the config, then launches the ranks; under torchrun
@@ -54,7 +54,7 @@ def _cmd_pretrain(items: list[str]) -> int:
         return 0
     # flags may come before the recipe or after it: the recipe is the first item that is neither a
     # flag, a flag's value nor an override
-    takes_value = {"--nproc-per-node", "--max-restarts", "--config-file"}
+    takes_value = {"--nproc-per-node", "--max-restarts", "--restart", "--config-file"}
     index = next((i for i, item in enumerate(items) if "=" not in item and not item.startswith("-")
                   and (i == 0 or items[i - 1] not in takes_value)), None)
     name = items.pop(index) if index is not None else DEFAULT_RECIPE

@@ -30,8 +30,8 @@ from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, SaveEvent, TrainingObjects
 from tierstack.config import CheckpointConfig
-from tierstack.runtime import ParallelLayout
-from tierstack.runtime import collectives as _dist
+from tierstack.runtime import ParallelLayout, collectives as _dist
+from tierstack.runtime.failures import interrupts
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class GlobalTier(StagedTier):
                     for fn in job.request.finalize_fns:
                         fn()
             except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
-                if pending.calls or isinstance(e, (KeyboardInterrupt, SystemExit)):
+                if pending.calls or interrupts(e):
                     raise
                 # the writer thread already retried its transient errors: the files are not there
                 raise errors.NotRetryable(f"background write failed: {errors.describe(e)}") from e

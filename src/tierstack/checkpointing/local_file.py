@@ -248,6 +248,19 @@ def check_pickle(path: Path) -> None:
         _load_weights_only(memoryview(f.read(int.from_bytes(head[8:16], "little"))), path)
 
 
+def decode_parts(header: bytes, buffers: list, path: Path) -> Any:
+    """The state dict of a LOCAL file given as its header and tensor buffers (what was written from
+    them; no file read): the hollow state dict with ``buffers`` inserted as they are (no copy).
+
+    Raises:
+        LocalFileError: an unsafe pickle in ``header`` (names ``path``).
+    """
+    meta = _load_weights_only(memoryview(header), path)
+    hollow = meta["tasd"]
+    hollow.insert_tensors(list(buffers))
+    return hollow
+
+
 def decode(data: torch.Tensor, path: Path) -> Any:
     """The state dict (NVRx ``TensorAwareStateDict``) held by a verified file's bytes.
 

@@ -12,13 +12,11 @@ the writer thread then writes ``.dirty``, fsyncs, renames and writes this rank's
 by the loop, agrees across ranks that every rank sealed the step (a step missing on one rank is
 never a resume candidate), then applies retention. At most one save is in flight.
 
-What is kept from NVRx and what is not: the ``TensorAwareStateDict`` protocol (``pop_tensors`` /
-``insert_tensors``, ``to_state_dict`` with the fully-parallel exchange) and the file layout are
-used as they are. ``LocalCheckpointManager.save``/``load`` are not: its ``save`` clones every tensor
-into fresh memory at each save (``copy_tensors_to_cpu``; CPU tensors too), which can neither reuse
-buffers nor be skipped without writing the live training tensors; its writer is ``torch.save``
-without fsync; its async request is built for megatron's queue, which forks a writer per save on
-CPU; and its ``load`` is ``torch.load`` of the path, so a checksum check reads every file twice.
+Kept from NVRx: the ``TensorAwareStateDict`` protocol (``pop_tensors`` / ``insert_tensors``,
+``to_state_dict`` with the fully-parallel exchange) and the file layout. Not kept:
+``LocalCheckpointManager.save`` clones every tensor at each save (no reused buffers), writes with
+``torch.save`` without fsync, forks a writer per save on CPU; its ``load`` reads a file twice.
+Under in-process restart the newest sealed step is also kept in memory (:mod:`local_memory`).
 """
 
 from __future__ import annotations
@@ -30,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing import compat, errors, local_exchange, local_file, local_replicas, manifest, model_settings, paths, retention, retry
+from tierstack.checkpointing import compat, errors, local_exchange, local_file, local_memory, local_replicas, manifest
+from tierstack.checkpointing import model_settings, paths, retention, retry
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing import rewind
 from tierstack.checkpointing.staging import StagedTier
@@ -68,6 +67,7 @@ class LocalTier(StagedTier):
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
                  run_config: Optional[Mapping[str, Any]] = None):
         super().__init__("LOCAL", cfg.async_write_timeout_s)
+        self._stager = local_memory.stager_for(self._stager)  # two sets under in-process restart
         self.cfg = cfg
         self.layout = parallel_layout
         self.run_config = run_config or {}
@@ -159,7 +159,9 @@ class LocalTier(StagedTier):
         tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
             sd, algo="fully_parallel", cached_metadata=self._distribution)
         buffers = self._stager.stage(tasd.pop_tensors())
-        return {"header": local_file.encode_header(tasd, buffers), "buffers": buffers}
+        header = local_file.encode_header(tasd, buffers)
+        local_memory.note_staged(self._stager, objs.train_state.step, header)
+        return {"header": header, "buffers": buffers}
 
     def _write_and_seal(self, step: int, run_id: str, train_state: dict, header: bytes, buffers: list,
                         extra: dict) -> int:
@@ -264,6 +266,8 @@ class LocalTier(StagedTier):
             self.failures.append(job.step)
             return
         self.sealed.append(job.step)
+        local_memory.note_sealed(self._stager, step=job.step, run_id=job.run_id, rank=self.layout.rank,
+                                 root=self.root, topology=self.layout.topology())
         self._run_id = job.run_id
         self.last_durable_s, self.last_blocked_s = time.perf_counter() - job.started, job.blocked_s
         if self.layout.local_rank == 0:
@@ -327,6 +331,8 @@ class LocalTier(StagedTier):
         asks for code is refused in selection, like a damaged one, and the next candidate is tried.
         """
         self._verified.clear()
+        if self._held(cand.step, cand.manifest.get("run_id")) is not None:
+            return None  # this process holds the step, sealed: resumed from memory, no file read
         (name, entry), = cand.manifest["files"].items()
         try:
             data = local_file.read_verified(self.rank_dir / name, entry)
@@ -342,15 +348,7 @@ class LocalTier(StagedTier):
 
     def interrupted_steps(self) -> list[int]:
         """Steps whose write this rank left unfinished (a ``.dirty`` file; not collective)."""
-        if self.root is None or not self.rank_dir.is_dir():
-            return []
-        out = []
-        for p in self.rank_dir.iterdir():
-            if p.name.endswith(".dirty.pt"):
-                parsed = paths.parse_local_file(p.name[: -len(".dirty.pt")] + ".pt")
-                if parsed is not None and parsed[1] == self.layout.rank:
-                    out.append(parsed[0])
-        return out
+        return [] if self.root is None else paths.interrupted_local_steps(self.rank_dir, self.layout.rank)
 
     def abandon(self, step: int) -> None:
         """``step`` is an interrupted save (sealed on some ranks, a ``.dirty`` file on another): this
@@ -380,12 +378,12 @@ class LocalTier(StagedTier):
         ckpt = self._paths(step)[0]
         model_settings.check_load(man, model_settings.model_settings(objs.model), optim=optim, where=str(ckpt),
                                   casts_weights=False)
-        data = self._verified.pop(step, None)
-        if data is None:  # not verified in this process (a direct load): verify now, same single read
+        held, data = self._held(step, man.get("run_id")), self._verified.pop(step, None)
+        if held is None and data is None:  # not verified in this process (a direct load): verify now, one read
             (name, entry), = man["files"].items()
             data = local_file.read_verified(self.rank_dir / name, entry)
         self._verified.clear()
-        tasd = local_file.decode(data, ckpt)
+        tasd = local_memory.decode(held, ckpt) if held is not None else local_file.decode(data, ckpt)
         sd = ckpt_state.build(objs, is_loading=True, optim=optim, rng=rng)
         before = ckpt_state.optimizer_state_tensors(objs.optimizer) if optim else {}
         local_exchange.fill_missing(tasd)  # replicas another rank saved: a few packed broadcasts
@@ -393,7 +391,10 @@ class LocalTier(StagedTier):
         del tasd
         ckpt_state.apply(objs, loaded, optim=optim, rng=rng)
         del loaded
-        if optim:  # the loaded Adam state must not stay a view of the mapped file
-            ckpt_state.own_optimizer_state(objs.optimizer, before, data)
+        for source in (held.sources() if held is not None else [data]) if optim else ():
+            ckpt_state.own_optimizer_state(objs.optimizer, before, source)  # no view of the file or held buffers
         del data
         return str(self.root)
+
+    def _held(self, step: int, run_id: Optional[str]):  # this rank's step held in memory, or None
+        return local_memory.match(step, run_id, self.layout.rank, self.root, self.layout.topology())

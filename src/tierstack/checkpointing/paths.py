@@ -271,3 +271,16 @@ def quarantine(path: Path, reason: str, kind: str = "invalid") -> Path:
 def aside_kind(name: str) -> Optional[str]:
     """"quarantined", "rewound" (see :func:`quarantine`) or None for a name not moved aside."""
     return "quarantined" if ".invalid-" in name else "rewound" if ".rewound-" in name else None
+
+
+def interrupted_local_steps(rank_dir: Path, rank: int) -> list[int]:
+    """Steps of ``rank`` whose LOCAL write was left unfinished in ``rank_dir`` (a ``.dirty`` file)."""
+    if not rank_dir.is_dir():
+        return []
+    out = []
+    for p in rank_dir.iterdir():
+        if p.name.endswith(".dirty.pt"):
+            parsed = parse_local_file(p.name[: -len(".dirty.pt")] + ".pt")
+            if parsed is not None and parsed[1] == rank:
+                out.append(parsed[0])
+    return out

@@ -14,6 +14,7 @@ import tenacity
 
 from tierstack.checkpointing import errors
 from tierstack.runtime import collectives as _dist
+from tierstack.runtime.failures import interrupts
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,9 @@ def _capture(fn: Callable[[], T]) -> tuple[Optional[T], Optional[BaseException]]
     is re-raised as :class:`CollectiveFailure`: agreeing over a broken group would hang or lie."""
     try:
         return fn(), None
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException derives from BaseException
+    except BaseException as e:
+        if interrupts(e):  # Ctrl-C, an in-process restart's interruption: not this save's failure
+            raise  # noqa: BLE001 - torch's CheckpointException derives from BaseException
         if _is_collective_error(e):
             if isinstance(e, errors.CollectiveFailure):
                 raise

@@ -23,6 +23,7 @@ from tierstack.config.sections import (
     ModelConfig,
     OptimizerConfig,
     ProfileConfig,
+    ResiliencyConfig,
     RNGConfig,
     SchedulerConfig,
     StragglerConfig,
@@ -53,6 +54,7 @@ class ConfigContainer:
     mlflow: Optional[MlflowConfig] = None
     wandb: Optional[WandbConfig] = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    resiliency: ResiliencyConfig = field(default_factory=ResiliencyConfig)
 
     # ------------------------------------------------------------------ overrides
     def apply_overrides(self, dotlist: Iterable[str]) -> "ConfigContainer":

@@ -24,6 +24,7 @@ from tierstack.config.observability_sections import (  # noqa: F401 - re-exporte
     ProfileConfig,
     WandbConfig,
 )
+from tierstack.config.resiliency_section import ResiliencyConfig  # noqa: F401 - re-exported: its own module
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
     ACTIVATION_FUNCS,
     NORMALIZATIONS,
@@ -379,4 +380,5 @@ SECTION_TYPES = {
     "mlflow": MlflowConfig,
     "wandb": WandbConfig,
     "profile": ProfileConfig,
+    "resiliency": ResiliencyConfig,
 }

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 from tierstack.config import ConfigContainer, ConfigError
 from tierstack.config.describe import describe, load_yaml, to_yaml
+from tierstack.config.resiliency_section import RESTART_MODES
 from tierstack.errors import BadInputError, report_on_rank_0
 from tierstack.recipes import rank_exit
 from tierstack.recipes.launch import launch
@@ -75,6 +76,8 @@ def run(
         then ends right after it is printed (:func:`~tierstack.resiliency.fast_exit.exit_after_traceback`).
     """
     known, overrides = _parse_flags(sys.argv[1:] if argv is None else argv)
+    if known.restart is not None:  # the flag is the field: the ranks get it as an override
+        overrides = [*overrides, f"resiliency.restart={known.restart}"]
     nproc = known.nproc_per_node
     if nproc is not None and (nproc < 1 or under_torchrun()):
         _report(f"--nproc-per-node={nproc}: give a number >= 1, and only outside torchrun (torchrun sets the ranks)")
@@ -92,7 +95,9 @@ def run(
             return _show(config, config_fn, known)
         # several ranks under torchrun: the directories are checked by every rank in setup, together
         # (a node-local directory can be fine on one node and not on another)
-        config.validate(world_size, check_paths=nproc is not None or not under_torchrun() or world_size == 1)
+        config.validate(_active_ranks(config, world_size),
+                        check_paths=nproc is not None or not under_torchrun() or world_size == 1)
+        _check_restart(config, world_size, (known.max_restarts or 0) if nproc is not None else None)
     except ConfigError as exc:
         _report(str(exc))
         if nproc is None and under_torchrun():
@@ -113,6 +118,8 @@ def run(
         if not _data_files_fit(config):  # before any rank exists: the error alone, exit status 2
             return BAD_INPUT_STATUS
 
+        if config.resiliency.in_process:  # gloo's and the store's per-poll warnings during a restart
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         file_args = ["--config-file", known.config_file] if known.config_file else []
         return launch([*(rank_command or [sys.argv[0]]), *file_args, *overrides], nproc_per_node=nproc,
                       max_restarts=known.max_restarts or 0, shutdown_grace_s=planned_exit_grace_s(config),
@@ -128,6 +135,10 @@ def _pretrain_here(config: ConfigContainer) -> int:
     from tierstack.training.pretrain import pretrain
 
     rank = int(os.environ.get("RANK", "0"))
+    if config.resiliency.in_process and under_torchrun():  # NVRx's wrapper restarts pretrain in this process
+        from tierstack.resiliency import in_process
+
+        return in_process.run(config, pretrain, rehearse=pretrain)
     try:
         pretrain(config)
     except BadInputError as exc:  # raised alike on every rank, after pretrain() cleaned up
@@ -161,6 +172,28 @@ def _pretrain_here(config: ConfigContainer) -> int:
             exit_after_traceback()
         raise
     return 0
+
+
+def _active_ranks(config: ConfigContainer, processes: int) -> int:
+    """Ranks that train among ``processes`` started: all but ``resiliency.spare_ranks`` under in-process restart."""
+    return max(1, processes - (config.resiliency.spare_ranks if config.resiliency.in_process else 0))
+
+
+def _check_restart(config: ConfigContainer, processes: int, max_restarts: Optional[int]) -> None:
+    """In-process restart's rules of the launch (spares, the launcher's restarts; see
+    :meth:`~tierstack.config.resiliency_section.ResiliencyConfig.launcher_problems`).
+
+    Args:
+        max_restarts: ``--max-restarts`` when this process launches the ranks; None in a rank
+            (torchrun's environment says it).
+
+    Raises:
+        ConfigError: naming the field.
+    """
+    env = None if max_restarts is None else {"TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+    problems = config.resiliency.launcher_problems(processes, env)
+    if problems:
+        raise ConfigError(problems)
 
 
 def _data_files_fit(config: ConfigContainer) -> bool:
@@ -221,6 +254,7 @@ def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--nproc-per-node", type=int, default=None)
     parser.add_argument("--max-restarts", type=int, default=None)
+    parser.add_argument("--restart", choices=RESTART_MODES, default=None)
     parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--print-config", action="store_true")
     parser.add_argument("--dry-run", action="store_true")
@@ -231,6 +265,7 @@ def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 RUN_FLAGS = """flags:
   --nproc-per-node N    validate for N ranks, then launch them on this machine (leave it out under torchrun)
   --max-restarts R      with --nproc-per-node: restart every rank up to R times after a failure
+  --restart MODE        launcher (default: new processes) or in-process (healthy ranks stay; resiliency.restart)
   --config-file FILE    start from FILE (YAML, as --print-config writes it); overrides apply on top
   --print-config        print the resolved config as YAML and exit (save it, edit it, give it to --config-file)
   --dry-run             validate the config for the ranks given, build nothing, exit 0 (2 when invalid)

@@ -43,6 +43,20 @@ _ROOT = "tierstack/start"
 _POLL_S = 0.01  # rank 0's poll of the others' hellos while it waits for them (one multi_get each)
 
 
+_given: Optional[dist.Store] = None  # an in-process restart's store of its attempt (see use_attempt_store)
+
+
+def use_attempt_store(store: Optional[dist.Store]) -> None:
+    """Make :func:`attempt_store` return ``store`` (None: back to torchrun's environment).
+
+    The in-process restart (:mod:`tierstack.resiliency.in_process`) gives each of its attempts a
+    store of its own, under a prefix no earlier attempt used: the process groups of an attempt
+    never read the keys of one that was aborted (gloo's full-mesh addresses of ranks that died).
+    """
+    global _given
+    _given = store
+
+
 class StartHandshakeError(RuntimeError):
     """The ranks of this start did not all meet in the store within the timeout."""
 
@@ -60,6 +74,7 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> Optional[dist
 
     Args:
         rank / world_size: this rank and the world size (torchrun's ``RANK`` / ``WORLD_SIZE``).
+            A store given by :func:`use_attempt_store` is returned as it is.
         timeout_s: seconds each store operation, and the whole handshake, may take
             (``distributed.timeout_s``).
 
@@ -68,6 +83,8 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> Optional[dist
             ``TORCHELASTIC_USE_AGENT_STORE=True``.
         StartHandshakeError: the other ranks (rank 0: which ones) did not join within ``timeout_s``.
     """
+    if _given is not None:
+        return _given
     if not uses_agent_store():
         return None
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")

@@ -256,6 +256,28 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
 
 
+def release_distributed() -> None:
+    """Drop every process group of this process after a failure, from any thread, never raising:
+    megatron's parallel groups, then WORLD, then a garbage collection so that the groups nobody
+    refers to any more close their connections now.
+
+    Why: a gloo collective cannot be aborted; a rank blocked in one waits until its peers' sockets
+    close. Destroying the groups here closes this rank's side, so the ranks still waiting on it
+    fail at once instead of at ``distributed.timeout_s`` (the in-process restart's abort).
+    """
+    import gc
+
+    from megatron.core import parallel_state
+
+    for step in (parallel_state.destroy_model_parallel, dist.destroy_process_group):
+        try:
+            if dist.is_initialized() or step is parallel_state.destroy_model_parallel:
+                step()
+        except Exception as e:  # noqa: BLE001 - already destroyed, or a peer gone: nothing to release
+            log.debug("releasing process groups: %s: %s", type(e).__name__, e)
+    gc.collect()
+
+
 def process_exiting() -> None:
     """Call as the last thing before a process that ran training exits (the ``tierstack`` command
     does): ``gc.freeze()``, so the interpreter's final garbage collection skips every object that

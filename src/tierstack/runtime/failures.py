@@ -72,3 +72,12 @@ def peer_lost(exc: BaseException) -> Optional[str]:
 
 
 __all__ = ["FILE_ONLY", "FILE_ONLY_ATTR", "peer_lost"]
+
+
+def interrupts(exc: BaseException) -> bool:
+    """True for an exception that stops this thread from outside and must never be handled as a
+    failure of the work it interrupted: ``KeyboardInterrupt``, ``SystemExit``, and what a restart
+    engine raises into the main thread (NVRx in-process restart's ``RankShouldRestart``, a
+    ``BaseException``). torch's ``CheckpointException`` is a ``BaseException`` too, but it reports
+    a failed save: False for it."""
+    return not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException"

@@ -13,6 +13,8 @@ import contextlib
 import logging
 from typing import Callable, Optional
 
+from tierstack.runtime.failures import interrupts
+
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +40,7 @@ def register(stack: contextlib.ExitStack, name: str, close: Callable[..., None],
             else:
                 close(exc) if with_error else close()
         except BaseException as e:  # noqa: BLE001 - logged; re-raised only if nothing else is in flight
-            if exc is None:
+            if exc is None or interrupts(e):  # an interruption (in-process restart, Ctrl-C) is never swallowed
                 raise
             log.error("closing %s failed (%s: %s); the error that ended the run is kept",
                       name, type(e).__name__, e, exc_info=e)

@@ -36,6 +36,7 @@ def pretrain(
     """
     from tierstack.training.reporting import configure_logging, run_reporters
     from tierstack.resiliency.heartbeat import Heartbeat
+    from tierstack.resiliency.in_process import watch_steps
     from tierstack.resiliency.signals import ExitRequest
     from tierstack.training.forward import gpt_forward_step
     from tierstack.training.closers import register
@@ -44,6 +45,7 @@ def pretrain(
 
     configure_logging(log_file=config.logger.rank_log_path(int(os.environ.get("RANK", "0"))))
     forward_step_func = forward_step_func or gpt_forward_step
+    on_step = watch_steps(on_step)  # under in-process restart: its first step is logged with its time
     with contextlib.ExitStack() as closers:
         exit_request = ExitRequest(early_warning=config.train.exit_signal)
         closers.callback(exit_request.restore)

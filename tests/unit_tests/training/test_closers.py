@@ -55,3 +55,35 @@ def test_with_error_hands_the_error_in_flight_to_the_closer():
             register(stack, "checkpoint manager", got.append, with_error=True)
             raise KeyError("rank 1 only")
     assert got[0] is None and isinstance(got[1], KeyError)
+
+
+class _Interruption(BaseException):
+    """Like NVRx in-process restart's RankShouldRestart: raised into the main thread from outside."""
+
+
+def test_an_interruption_raised_in_a_closer_is_never_swallowed_by_the_error_in_flight():
+    import contextlib
+
+    from tierstack.training.closers import register
+
+    closed = []
+
+    def interrupted():
+        raise _Interruption("restart")
+
+    with pytest.raises(_Interruption) as err:
+        with contextlib.ExitStack() as stack:
+            register(stack, "first", lambda: closed.append("first"))
+            register(stack, "interrupted", interrupted)
+            raise RuntimeError("a peer is gone")
+    assert isinstance(err.value.__context__, RuntimeError) and closed == ["first"]  # the rest still closed
+
+
+def test_interrupts_is_true_for_interruptions_and_not_for_failures():
+    from tierstack.runtime.failures import interrupts
+
+    class CheckpointException(BaseException):  # torch's has this name and base: a failed save
+        pass
+
+    assert interrupts(_Interruption()) and interrupts(KeyboardInterrupt()) and interrupts(SystemExit(1))
+    assert not interrupts(RuntimeError()) and not interrupts(CheckpointException())

@@ -1,0 +1,334 @@
+"""In-process restart: healthy ranks keep their processes; a dead one is replaced by a warm spare.
+
+Engine: nvidia-resiliency-ext's ``inprocess.Wrapper`` (NVRx 0.7; what Megatron-LM's
+``--inprocess-restart`` uses). Chosen over torchft because it restarts the whole training function
+on a rebuilt world (any TP/PP/DP layout of megatron-core, whose parallel state is process-global),
+brings its own rank reassignment with spare ranks, hang detection (a monitor process per rank)
+and store-based interruption; torchft recovers data-parallel replicas only.
+
+What happens on a failure (an exception on some rank, a rank that died, or one without progress
+for ``resiliency.heartbeat_timeout_s``):
+
+1. NVRx records the interruption in the job's store; every rank's monitor thread sees it and runs
+   the abort (:class:`_ReleaseGroups`): megatron's groups and WORLD are destroyed and collected.
+   A gloo collective cannot be aborted, but destroying a group closes this rank's connections,
+   so a peer blocked on it fails at once (``runtime.release_distributed``).
+2. The main thread gets NVRx's ``RankShouldRestart``; ``pretrain``'s closers run as for any error.
+3. The ranks meet in NVRx's iteration barrier; a rank that died is replaced by a spare (rank
+   assignment ``FillGaps``: every healthy rank keeps its rank, so its in-memory LOCAL state is its
+   own), and the training function runs again, in the same processes, on new process groups whose
+   store keys carry the attempt's number (:func:`tierstack.runtime.attempt_store.use_attempt_store`).
+4. Resume selection agrees on one step as on any start; a healthy rank takes it from host memory
+   (:mod:`tierstack.checkpointing.local_memory`), a replaced one from its file.
+
+Under torchrun each worker is a rank slot (:mod:`tierstack.resiliency.rank_slot`), so that a rank
+process that dies does not make the agent stop the healthy ones.
+
+Why each choice, measured on 2 CPU ranks (README, "In-process restart"): NVRx's defaults
+(``last_call_wait`` 1 s, monitor intervals 1 s) cost seconds per restart; they are tuned here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from tierstack.config import ConfigContainer, ConfigError
+from tierstack.resiliency import rank_slot, warm_spare
+from tierstack.runtime import attempt_store
+
+log = logging.getLogger(__name__)
+
+_ROOT = "tierstack/inprocess"
+MONITOR_PROCESS_INTERVAL_S = 0.1  # how often each rank's monitor process looks at its rank (a death)
+MONITOR_THREAD_INTERVAL_S = 0.05  # the monitor thread's loop (bounds its shutdown at each restart)
+PROGRESS_INTERVAL_S = 0.1  # the watchdog thread's progress pings
+LAST_CALL_WAIT_S = 0.05  # after the first interruption, time for others to report theirs (NVRx: 1 s)
+TERMINATION_GRACE_S = 0.2  # SIGTERM to SIGKILL of a rank that hung past the hard timeout
+
+
+class RestartLimitReached(BaseException):
+    """More in-process restarts than ``resiliency.max_in_process_restarts``, or fewer ranks left
+    than the run trains on (no spare left to replace a dead one): the job ends, with an error
+    status, so the launcher's restart (``torchrun --max-restarts``) takes over if there is one.
+    A BaseException, so NVRx does not take it for one more failure to restart from."""
+
+
+def check(config: ConfigContainer, processes: int, environ: Optional[dict] = None) -> None:
+    """Refuse, before any work, an in-process restart that cannot work (names the field).
+
+    Args:
+        processes: processes the launcher started (torchrun's ``WORLD_SIZE``; spares included).
+
+    Raises:
+        ConfigError: every problem of the config for ``processes - resiliency.spare_ranks`` active
+            ranks, and of the launch (:meth:`ResiliencyConfig.launcher_problems`).
+    """
+    r = config.resiliency
+    problems = r.launcher_problems(processes, environ)
+    try:
+        config.validate(max(1, processes - max(0, r.spare_ranks)), check_paths=False)
+    except ConfigError as e:
+        problems = list(e.problems) + problems
+    if not r.in_process:
+        problems.append(f"resiliency.restart={r.restart!r}: this entry point runs in-process restart only; "
+                        "set resiliency.restart=in-process")
+    if problems:
+        raise ConfigError(problems)
+
+
+def run(config: ConfigContainer, train: Callable[[ConfigContainer], Any],
+        rehearse: Optional[Callable[[ConfigContainer], Any]] = None) -> int:
+    """Run ``train(config)`` under in-process restart in this torchrun worker; returns its exit status.
+
+    Every worker of the job calls this (the spares too: torchrun starts ``active + spare_ranks``).
+    The worker becomes a rank slot and forks the rank; the rank runs ``train`` inside NVRx's
+    wrapper, again after every failure, up to ``resiliency.max_in_process_restarts`` times.
+    ``rehearse`` (e.g. ``pretrain``, without the caller's callbacks): what a spare runs once at
+    start on a private 1-rank world (:func:`~tierstack.resiliency.warm_spare.warm_up`); None: spares
+    start with imports only.
+
+    Raises:
+        ConfigError: see :func:`check` (before any process group, store or fork exists).
+    """
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    check(config, processes)
+    from tierstack.checkpointing import local_memory
+
+    warm_spare.warm_imports()
+    local_memory.enable()
+    timeout_s = config.distributed.timeout_s
+    raw, prefix = _job_store(processes, timeout_s)
+    job = dist.PrefixStore(prefix, raw)
+    return rank_slot.run_in_slot(lambda: _rank_main(config, train, prefix, timeout_s, rehearse), job)
+
+
+def _job_store(processes: int, timeout_s: float) -> tuple[dist.Store, str]:
+    """The job's store and a prefix of this start: torchrun's agent store, or one the slot of
+    rank 0 hosts (it outlives any rank's process). The prefix is agreed as for any start
+    (:func:`attempt_store.agree_on_start`), so an outer torchrun restart never reads these keys."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    rank = int(os.environ.get("RANK", "0"))
+    host = rank == 0 and not attempt_store.uses_agent_store()
+    raw = dist.TCPStore(addr, port, processes, is_master=host, timeout=timedelta(seconds=timeout_s),
+                        wait_for_workers=False)
+    token = attempt_store.agree_on_start(raw, rank, processes, timeout_s)
+    return raw, f"{_ROOT}/{token}/"
+
+
+def _store_class():
+    """NVRx's store over the job's store, under this start's prefix (a class: NVRx builds one in
+    the rank and one in its monitor process from ``store_kwargs``)."""
+    from nvidia_resiliency_ext.inprocess.store import StoreMixin
+
+    class JobStore(dist.PrefixStore, StoreMixin):
+        def __init__(self, prefix: str, timeout_s: float):
+            tcp = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                                is_master=False, timeout=timedelta(seconds=timeout_s))
+            super().__init__(prefix + "nvrx/", tcp)
+            self.tcp = tcp
+
+    return JobStore
+
+
+def wrapper_arguments(config: ConfigContainer, job_prefix: str) -> dict:
+    """Keyword arguments of ``inprocess.Wrapper`` for ``config`` (timeouts from
+    ``resiliency.heartbeat_timeout_s``; intervals tuned for a restart in about a second)."""
+    from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess.rank_assignment import FillGaps, MaxActiveWorldSize
+
+    r = config.resiliency
+    soft = float(r.heartbeat_timeout_s)
+    hard = soft + max(0.5, soft / 2)
+    barrier = hard + max(30.0, config.distributed.timeout_s)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    return dict(
+        store_factory=_store_class(),
+        store_kwargs={"prefix": job_prefix, "timeout_s": barrier},
+        abort=_ReleaseGroups(),
+        finalize=_Collect(),
+        health_check=None,
+        # FillGaps: healthy ranks keep their rank (and so their in-memory state); a spare takes the gap
+        rank_assignment=inprocess.Compose(MaxActiveWorldSize(processes - r.spare_ranks), FillGaps()),
+        monitor_thread_interval=timedelta(seconds=MONITOR_THREAD_INTERVAL_S),
+        monitor_process_interval=timedelta(seconds=MONITOR_PROCESS_INTERVAL_S),
+        heartbeat_interval=timedelta(seconds=min(0.5, soft / 4)),
+        progress_watchdog_interval=timedelta(seconds=PROGRESS_INTERVAL_S),
+        soft_timeout=timedelta(seconds=soft),
+        hard_timeout=timedelta(seconds=hard),
+        heartbeat_timeout=timedelta(seconds=hard),
+        barrier_timeout=timedelta(seconds=barrier),
+        completion_timeout=timedelta(seconds=barrier),
+        last_call_wait=timedelta(seconds=LAST_CALL_WAIT_S),
+        termination_grace_time=timedelta(seconds=TERMINATION_GRACE_S),
+    )
+
+
+def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeout_s: float,
+               rehearse: Optional[Callable]) -> int:
+    """The forked rank: NVRx's wrapper around one attempt of ``train`` per restart iteration."""
+    from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess.rank_assignment import RankDiscarded
+
+    from tierstack.runtime import has_gpu
+
+    spare = int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks
+    if spare and rehearse is not None:
+        warm_spare.warm_up(config, rehearse)  # a spare: its first set-up and step now, not after a failure
+    job = dist.PrefixStore(job_prefix, dist.TCPStore(  # the slot's connection stays the slot's
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(seconds=timeout_s)))
+    # NVRx adds NVML GPU/NVLink/NIC checks before each restart when LOCAL_RANK is set (and logs an
+    # NVML error per rank building them on a machine without a GPU): none on a CPU
+    local_rank = None if has_gpu() else os.environ.pop("LOCAL_RANK", None)
+    try:
+        wrapper = inprocess.Wrapper(**wrapper_arguments(config, job_prefix))
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
+    limit = config.resiliency.max_in_process_restarts
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks  # what the run trains on
+
+    def attempt(call_wrapper=None):
+        n = call_wrapper.iteration
+        if n > limit:
+            raise RestartLimitReached(f"{n} in-process restarts: more than resiliency.max_in_process_restarts={limit}")
+        if int(os.environ["WORLD_SIZE"]) < ranks:  # never a silently smaller data-parallel world
+            raise RestartLimitReached(f"in-process restart {n}: {os.environ['WORLD_SIZE']} rank(s) left of {ranks} "
+                                      f"(resiliency.spare_ranks={config.resiliency.spare_ranks} used up); the "
+                                      "launcher's restart takes over")
+        if n:
+            aborted = _timeline.get("abort_start")
+            log.warning("in-process restart %d: rank %s of %s continues in process %d%s", n, os.environ.get("RANK"),
+                        os.environ.get("WORLD_SIZE"), os.getpid(), "" if aborted is None else
+                        f" ({time.time() - aborted:.2f} s after its abort began, of which "
+                        f"{_timeline['abort_end'] - aborted:.2f} s releasing the process groups)")
+        attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
+        _watch.begin(call_wrapper)
+        try:
+            return train(config)
+        finally:
+            _watch.end()
+            attempt_store.use_attempt_store(None)
+
+    attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
+    with inprocess.CallWrapper(wrapper) as call_wrapper:  # what ``wrapper(attempt)()`` does, with its watchdog at hand
+        liveness = _Liveness(call_wrapper.progress_watchdog)
+        try:
+            call_wrapper(attempt, (), {})
+        except RankDiscarded:  # taken out of the job (it hung: NVRx resumed it to end it); the job goes on
+            log.warning("rank %s: discarded by the in-process restart (its place was given to a spare)",
+                        os.environ.get("RANK"))
+            return rank_slot.DISCARDED
+        finally:
+            liveness.close()
+    rank_slot.mark_done(job)
+    return 0
+
+
+class _Liveness:
+    """What NVRx's hang protection (soft and hard timeouts) is told about this rank: that its
+    process runs. A thread sends NVRx's progress timestamp every ``PROGRESS_INTERVAL_S``.
+
+    Why: NVRx's own watchdog stamps progress through ``Py_AddPendingCall``, which runs only while
+    the main thread executes Python. With NCCL the main thread goes on while a collective waits on
+    the GPU; with gloo it blocks inside the collective. So a healthy rank waiting in an all-reduce
+    for a stopped peer looked as hung as the peer: both reached the hard timeout together, and
+    NVRx killed the healthy rank too (seen here: the SIGSTOP scenario failed 1 run in 3). A
+    stopped or frozen process runs no thread, so it is still found within
+    ``resiliency.heartbeat_timeout_s``; a collective that never returns is bounded by
+    ``distributed.timeout_s``, like any collective.
+    """
+
+    def __init__(self, watchdog) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(watchdog,), name="tierstack-liveness", daemon=True)
+        self._thread.start()
+
+    def _run(self, watchdog) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
+            watchdog.reset()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _HangWatch:
+    """Times each attempt from its start to its first step (the restart's log line)."""
+
+    def __init__(self) -> None:
+        self._wrapper = None
+        self._began = 0.0
+
+    def begin(self, call_wrapper) -> None:
+        self._wrapper, self._began = call_wrapper, time.time()
+
+    def step_done(self) -> None:
+        if self._wrapper is not None:
+            if self._wrapper.iteration:
+                log.info("in-process restart %d: first step done %.2f s after the attempt began (set-up, resume, "
+                         "step)", self._wrapper.iteration, time.time() - self._began)
+            self._wrapper = None
+
+    def end(self) -> None:
+        self._wrapper = None
+
+
+_watch = _HangWatch()
+_timeline: dict[str, float] = {}  # unix times of this process's last abort (the restart's log line)
+
+
+def watch_steps(on_step: Optional[Callable]) -> Optional[Callable]:
+    """``on_step`` that also logs the first step of an in-process restart's attempt; ``on_step``
+    itself outside one (``pretrain`` wraps its callback with this)."""
+    if _watch._wrapper is None:
+        return on_step
+
+    def step_done(train_state, result) -> None:
+        _watch.step_done()
+        if on_step is not None:
+            on_step(train_state, result)
+
+    return step_done
+
+
+class _ReleaseGroups:
+    """NVRx abort (monitor thread): release every process group (see :mod:`tierstack.runtime`)."""
+
+    def __new__(cls):
+        from nvidia_resiliency_ext.inprocess.abort import Abort
+
+        class ReleaseGroups(Abort):
+            def __call__(self, state):
+                from tierstack.runtime import release_distributed
+
+                _timeline["abort_start"] = time.time()
+                release_distributed()
+                _timeline["abort_end"] = time.time()
+                return state
+
+        return ReleaseGroups()
+
+
+class _Collect:
+    """NVRx finalize (main thread, before the restart): release what the abort left, collect."""
+
+    def __new__(cls):
+        from nvidia_resiliency_ext.inprocess.finalize import Finalize
+
+        class Collect(Finalize):
+            def __call__(self, state):
+                from tierstack.runtime import release_distributed
+
+                release_distributed()
+                return state
+
+        return Collect()

@@ -1,0 +1,103 @@
+"""A rank slot: the torchrun worker process forks the real rank and outlives it.
+
+Why. torchrun's agent watches its worker processes; when one exits with an error (a SIGKILLed
+rank, or one the in-process restart's monitor killed because it hung), the agent stops every other
+worker of the node and, with ``--max-restarts``, starts them all again: the healthy ranks lose
+their processes, which is what in-process restart is there to avoid. So the torchrun worker is
+only a slot: it forks the rank (imports are done before the fork, so the child starts warm) and
+waits for it. A child that ends normally ends the slot with its status. A child that dies by a
+signal, or exits with :data:`DISCARDED` (the in-process restart took it out of the job), leaves the slot waiting, quietly, until the job is over (another rank, a warm spare, has
+taken its place), and the slot then exits 0; when the job fails instead, torchrun stops the slot
+together with the others.
+
+"The job is over" is the key :data:`DONE_KEY` in the job's store, set by every rank whose wrapped
+training returned (:func:`mark_done`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+DONE_KEY = "job/done"
+DISCARDED = 75  # a rank's exit status meaning "taken out of the job, which goes on": its slot waits
+_POLL_S = 0.2  # how often an orphaned slot looks for the end of the job (and for its agent)
+
+
+def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
+    """Fork; the child runs ``rank_main()`` and exits with its status; the parent waits for it.
+
+    Args:
+        rank_main: the rank's whole life (it returns an exit status: 0 on success).
+        store: the job's store (a client of the launcher's store, or one this process hosts);
+            the child inherits it, and the parent polls it for :data:`DONE_KEY` once its child died.
+
+    Returns:
+        In the parent: the exit status for the slot (the child's own, 0 after a child that died
+        by a signal once the job finished). Never returns in the child.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the rank
+        code = 1
+        try:
+            code = int(rank_main() or 0)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - printed; the slot reports the status
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    # the slot: forward torchrun's stop signals to the rank, then wait for it
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda s, _f, child=pid: _forward(child, s))
+    _, status = os.waitpid(pid, 0)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) != DISCARDED:
+        return os.WEXITSTATUS(status)
+    how = "was discarded" if os.WIFEXITED(status) else f"died by {signal.Signals(os.WTERMSIG(status)).name}"
+    log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it",
+                os.environ.get("RANK", "?"), pid, how)
+    return wait_for_job(store)
+
+
+def _forward(child: int, signum: int) -> None:
+    try:
+        os.kill(child, signum)
+    except ProcessLookupError:  # the rank is gone: the slot stops too
+        os._exit(128 + signum)
+
+
+def wait_for_job(store: dist.Store, parent: Optional[int] = None) -> int:
+    """Block until :data:`DONE_KEY` is set in ``store`` (returns 0) or this process's parent (the
+    torchrun agent) is gone (returns 1)."""
+    parent = os.getppid() if parent is None else parent
+    while True:
+        try:
+            store.wait([DONE_KEY], timedelta(seconds=_POLL_S))
+            return 0
+        except dist.DistStoreError:
+            pass
+        except Exception:  # noqa: BLE001 - the store's host is gone: the job is over, and not by us
+            return 1
+        if os.getppid() != parent:
+            return 1
+        time.sleep(0.01)
+
+
+def mark_done(store: dist.Store) -> None:
+    """Say in ``store`` that the job finished (every rank that returned from training calls it)."""
+    store.set(DONE_KEY, "1")

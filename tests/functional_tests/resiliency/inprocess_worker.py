@@ -1,0 +1,78 @@
+"""One torchrun worker of an in-process restart scenario (``resiliency.restart=in-process``).
+
+Usage: inprocess_worker.py OUT_DIR [section.field=value ...]
+
+Runs ``tierstack.pretrain`` on the tiny GPT of ``nodes_worker.tiny_config`` through
+``tierstack.resiliency.in_process.run`` and appends one line per step to
+``OUT_DIR/losses_rank<r>.jsonl`` (``r``: the rank the process has in that attempt): step, loss as
+float hex (bit-identical comparisons), the process id and the unix time at the end of the step.
+
+Fault, once per launch (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
+``raise`` | ``kill`` | ``stop``, on rank ``TIERSTACK_TEST_FAULT_RANK`` after step
+``TIERSTACK_TEST_FAULT_AT``. Before it every rank waits for the LOCAL save in flight
+(``CheckpointManager.wait``, collective), so the step resumed from does not depend on the speed
+of the machine. The fault's unix time goes to ``OUT_DIR/fault.json``.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from nodes_worker import tiny_config  # noqa: E402
+
+
+def main() -> int:
+    from tierstack.checkpointing import manager as manager_module
+    from tierstack.resiliency import in_process
+    from tierstack.training.pretrain import pretrain
+
+    out = Path(sys.argv[1])
+    cfg = tiny_config(sys.argv[2:])
+    fault = os.environ.get("TIERSTACK_TEST_FAULT", "")
+    fault_at = int(os.environ.get("TIERSTACK_TEST_FAULT_AT", "0"))
+    fault_rank = int(os.environ.get("TIERSTACK_TEST_FAULT_RANK", "-1"))
+    managers = []
+    init = manager_module.CheckpointManager.__init__
+
+    def capture(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        managers.append(self)
+
+    manager_module.CheckpointManager.__init__ = capture
+
+    def on_step(ts, result):
+        rank = int(os.environ["RANK"])
+        with open(out / f"losses_rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": ts.step, "loss": float(result.loss).hex(), "pid": os.getpid(),
+                                "t": time.time()}) + "\n")
+        if fault and ts.step == fault_at and not (out / "fault.fired").exists():
+            managers[-1].wait()  # collective: the LOCAL save in flight is sealed on every rank
+            if rank != fault_rank:
+                return
+            os.close(os.open(out / "fault.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            (out / "fault.json").write_text(json.dumps({"fault": fault, "t": time.time(), "pid": os.getpid()}))
+            print(f"FAULT {fault} on rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
+            if fault == "raise":
+                raise RuntimeError(f"injected failure on rank {rank} after step {ts.step}")
+            os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    def train(config):
+        state = pretrain(config, on_step=on_step)
+        if int(os.environ["RANK"]) == 0:
+            print(f"FINAL step={state.step} resumed_from={state.resumed_from} pid={os.getpid()}", flush=True)
+        return state
+
+    return in_process.run(cfg, train, rehearse=pretrain)  # the spare rehearses without on_step
+
+
+if __name__ == "__main__":
+    code = main()
+    from tierstack.runtime import process_exiting
+
+    process_exiting()
+    sys.exit(code)

@@ -1,0 +1,107 @@
+"""In-process restart (``resiliency.restart=in-process``) on real torchrun ranks: 2 active ranks and
+1 warm spare (``--nproc-per-node 3``, ``resiliency.spare_ranks=1``), 30 steps of the tiny GPT, LOCAL
+every 5. After step 12 one rank raises, is SIGKILLed, or is SIGSTOPped: the healthy ranks keep their
+processes, resume step 10 from host memory, a dead (or hung, then killed) rank is replaced by the
+spare, and the job ends with the losses of an uninterrupted run, bit for bit. Without a spare,
+``torchrun --max-restarts`` takes over (the outer layer).
+
+Each scenario prints its fail -> first step time (the fault's unix time to the end of the first
+step after the restart; under ``-s``), the number the README reports.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launcher import run_torchrun
+
+WORKER = Path(__file__).with_name("inprocess_worker.py")
+ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks processes
+
+
+def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=()):
+    out.mkdir()
+    run = out / "run"
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's and the store's per-poll warnings
+    if fault:
+        env.update(TIERSTACK_TEST_FAULT=fault, TIERSTACK_TEST_FAULT_AT="12", TIERSTACK_TEST_FAULT_RANK="1")
+    proc = run_torchrun([WORKER, out, f"logger.run_dir={run}", "train.train_iters=30", "checkpoint.local_save_interval=5",
+                         f"checkpoint.save={run}/global", f"checkpoint.local_dir={run}/local",
+                         "resiliency.restart=in-process", f"resiliency.heartbeat_timeout_s={heartbeat_s}",
+                         f"resiliency.spare_ranks={spares}"], nproc=ACTIVE + spares, timeout=240, env=env,
+                        launcher_args=list(launcher_args))
+    records = {r: [json.loads(x) for x in (out / f"losses_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    return proc, proc.stdout + proc.stderr, records
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    proc, log, records = _launch(tmp_path_factory.mktemp("inprocess") / "uninterrupted")
+    assert proc.returncode == 0, log[-6000:]
+    for rank in (0, 1):
+        assert [x["step"] for x in records[rank]] == list(range(1, 31))
+    return records
+
+
+def _fail_to_first_step_s(out: Path, records: list) -> float:
+    """Seconds from the fault to the end of the first step of the restarted attempt."""
+    t = json.loads((out / "fault.json").read_text())["t"]
+    steps = [x["step"] for x in records]
+    again = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # the first step done again
+    return records[again]["t"] - t
+
+
+def _check(tmp_path, uninterrupted, fault: str):
+    out = tmp_path / fault
+    proc, log, records = _launch(out, fault)
+    assert proc.returncode == 0, log[-6000:]
+    assert f"FAULT {fault} on rank 1" in log
+    assert "in-process restart 1: rank 0 of 2 continues" in log
+    assert "rank 0: LOCAL step 10 taken from host memory (no file read)" in log
+    assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=30 resumed_from=[10]" in log
+    for rank in (0, 1):
+        assert [x["step"] for x in records[rank]][:12] == list(range(1, 13))
+        assert [x["step"] for x in records[rank]][-20:] == list(range(11, 31))
+        final = {x["step"]: x["loss"] for x in records[rank]}  # the last record of each step
+        assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
+    assert len({x["pid"] for x in records[0]}) == 1  # the healthy rank kept its process
+    fail_s = max(_fail_to_first_step_s(out, records[r]) for r in (0, 1))
+    print(f"in-process restart, {fault}: fail -> first step {fail_s:.2f} s")
+    return records, fail_s
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_restarts_in_its_own_process(tmp_path, uninterrupted):
+    records, _ = _check(tmp_path, uninterrupted, "raise")
+    assert len({x["pid"] for x in records[1]}) == 1  # the rank that raised is healthy: same process
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_replaced_by_the_spare(tmp_path, uninterrupted):
+    records, _ = _check(tmp_path, uninterrupted, "kill")
+    pids = [x["pid"] for x in records[1]]
+    assert len(set(pids[:12])) == 1 and len(set(pids[12:])) == 1 and pids[0] != pids[-1]  # the spare took rank 1
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_killed_after_the_heartbeat_timeout_and_replaced(tmp_path, uninterrupted):
+    records, fail_s = _check(tmp_path, uninterrupted, "stop")
+    pids = [x["pid"] for x in records[1]]
+    assert pids[0] != pids[-1]
+    assert fail_s > 2.0  # found by the heartbeat timeout (resiliency.heartbeat_timeout_s=2), not before
+
+
+@pytest.mark.slow
+def test_without_a_spare_the_launchers_restart_takes_over(tmp_path, uninterrupted):
+    """``resiliency.spare_ranks=0`` under ``torchrun --max-restarts 1``: a killed rank cannot be
+    replaced in-process, so the job ends (never a silently smaller world) and torchrun restarts it."""
+    out = tmp_path / "no-spare"
+    proc, log, records = _launch(out, "kill", spares=0, launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 0, log[-6000:]
+    assert "1 rank(s) left of 2 (resiliency.spare_ranks=0 used up)" in log
+    assert json.loads((out / "run" / "restarts.json").read_text())["restarts"] == 1
+    assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=30 resumed_from=[10]" in log
+    for rank in (0, 1):
+        final = {x["step"]: x["loss"] for x in records[rank]}
+        assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
