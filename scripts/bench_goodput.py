@@ -279,7 +279,10 @@ def main() -> None:
     if args.chaos is not None:
         import chaos
 
-        sys.exit(chaos.main(args, work))
+        status = chaos.main(args, work)
+        if own_local_root:
+            shutil.rmtree(args.local_root, ignore_errors=True)
+        sys.exit(status)
     names = [c for c in args.configs.split(",") if c]
     unknown = set(names) - set(NAMES)
     if unknown:
