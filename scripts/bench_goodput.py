@@ -139,7 +139,8 @@ def worker(out: Path, overrides: list[str]) -> None:
     with open(out / "starts.jsonl", "a") as f:
         f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_created": psutil.Process().create_time(),
                             "t_process": _T_PROCESS, "t_imported": t_imported}) + "\n")
-    logging.getLogger("tierstack.checkpointing.manager").addHandler(_LoadTimes(out / "starts.jsonl", rank))
+    # (the line comes from checkpointing.resuming; on the package's logger, wherever it moves to next)
+    logging.getLogger("tierstack.checkpointing").addHandler(_LoadTimes(out / "starts.jsonl", rank))
     record = open(out / f"steps_rank{rank}.jsonl", "a")
 
     def on_step(ts, result):

@@ -52,9 +52,10 @@ def judge(f: Fault, run: Path, log: str, fired: dict[str, float]) -> dict:
                           else "no 'NOT saved/published ... ENOSPC' line for that step")
     elif f.kind == "slow":
         m = re.search(rf"LOCAL checkpoint of step {s} sealed.*durable after ([\d.]+)s", log)
+        nxt = re.search(r"LOCAL checkpoint of step \d+ handed to the writer \(blocked ([\d.]+)s\)", log[m.end():]) if m else None
         row["ok"] = m is not None
-        row["handled"] = (f"sealed, durable after {m.group(1)}s; training did not wait" if m
-                          else "step not sealed (a restart came first?)")
+        row["handled"] = ((f"sealed, durable after {m.group(1)}s; the next LOCAL save waited "
+                           f"{nxt.group(1) if nxt else '?'}s for it") if m else "step not sealed (a restart came first?)")
     return row
 
 
