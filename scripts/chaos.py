@@ -34,6 +34,7 @@ goes to ``<work-dir>/chaos_summary.json``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -87,6 +88,12 @@ def _plan(args, work: Path) -> dict:
     return {"minutes": minutes, "iterations": iterations, "global_every": global_every, "faults": faults}
 
 
+def _load() -> str:
+    """The machine's load averages, for the reader of a timing figure (other work slows both runs)."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} {five:.1f} {fifteen:.1f} on {os.cpu_count()} CPUs"
+
+
 def _print_faults(faults: list, rows: list[dict], t0: float) -> None:
     head = f"{'#':>2} {'t s':>6} {'step':>5} {'fault':<7}{'rank':>5}  {'resumed from':<13}{'fault->step s':>14}{'lost':>5}  ok  detected by / handled"
     print(head + "\n" + "-" * len(head))
@@ -108,7 +115,7 @@ def main(args, work: Path) -> int:
     ref_run, run = work / "chaos_reference", work / "chaos"
     reference = goodput_launch.launch(ref_run, soak_overrides(ref_run, iterations, plan["global_every"]),
                                       args.local_root / "reference")
-    print(f"failure-free: {reference['wall']:.1f}s (rc {reference['rc']})", flush=True)
+    print(f"failure-free: {reference['wall']:.1f}s (rc {reference['rc']}); {_load()}", flush=True)
     fault_dir = work / "chaos_faults"
     shutil.rmtree(fault_dir, ignore_errors=True)
     env = chaos_faults.io_env(faults, run / "global", fault_dir)
@@ -123,7 +130,7 @@ def main(args, work: Path) -> int:
     t0 = min(s["t_created"] for s in records(run / "starts.jsonl")) if (run / "starts.jsonl").exists() else 0.0
     goodput = reference["wall"] / soak["wall"] if soak["rc"] == 0 else float("nan")
     print(f"soak: {soak['wall']:.1f}s (rc {soak['rc']}), goodput {goodput:.2f} of the failure-free run "
-          f"(target >= {TARGET}); t s = seconds after the first rank started")
+          f"(target >= {TARGET}); {_load()}; t s = seconds after the first rank started")
     _print_faults(faults, rows, t0)
     tiers = [run / "global"] + sorted(local_root.glob("node*/local"))
     verified = chaos_checks.verify_tiers(tiers)

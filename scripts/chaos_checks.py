@@ -76,6 +76,10 @@ def _judge_restart(f: Fault, run: Path, log: str, row: dict) -> dict:
     row["resumed"] = f"{loads[0]['tier'].upper()} {loads[0]['step']}" if loads else "scratch"
     row["ok"] = True
     row["handled"] = "restarted by the launchers; " + (f.note or "rank killed" if f.kind != "hang" else "rank stopped")
+    if f.kind == "hang":
+        timeouts = len(re.findall(r"[Tt]imed out", log))
+        row["handled"] += (f"; the peer's collective timed out ({timeouts} 'timed out' line(s) in the logs)" if timeouts
+                           else "; no 'timed out' line in the logs (who noticed it?)")
     if f.kind == "damage":
         m = re.search(r"iter_(\d+)_", f.note)
         damaged = int(m.group(1)) if m else None
