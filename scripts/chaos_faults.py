@@ -195,5 +195,5 @@ class Injector:
             f.note = f"node-local directory {local} wiped"
         elif f.kind == "damage":  # after the kill: no newer step can be sealed meanwhile
             victim = _newest_sealed(local, Path(peer["local_dir"]), f.rank)
-            f.note = "rank killed; " + damage(victim)
+            f.note = "rank killed; " + (damage(victim) if victim else "no sealed LOCAL file left to damage")
         return True
