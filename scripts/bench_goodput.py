@@ -272,6 +272,7 @@ def _print_row(name: str, r: dict, reference_wall: float) -> None:
 
 
 def main() -> None:
+    """The goodput table (or, with ``--chaos``, the chaos soak); see the module docstring."""
     p = _parser()
     args = p.parse_args()
     args.limit_s = args.reference_s = None
