@@ -5,12 +5,15 @@ Usage::
     .venv/bin/python scripts/bench_goodput.py [--iterations auto] [--fault-every-s auto] [--fault-factor 4]
         [--global-every auto] [--faults 3] [--seed 0] [--configs none,global,local_global,replicated,auto] [--timeout-factor 3]
         [--work-dir DIR] [--local-root auto]
+    .venv/bin/python scripts/bench_goodput.py --chaos MINUTES [--seed N]   (the chaos soak: scripts/chaos.py)
 
 First a calibration launch (``local_global``, two SIGKILLs, each after a sealed LOCAL save) measures
 the seconds per iteration and the restart time (kill to the first new step, the mean of the two) on
 this machine, now.
 ``--fault-every-s auto`` is ``--fault-factor`` times that restart time (a fault interval near the
-restart time leaves no progress at all); ``--iterations auto`` runs long enough for about
+restart time leaves no progress at all). The fault interval is fixed then, once, and every row
+runs with that same number of seconds (the output says so): a row whose restart is cheaper shows
+it as goodput, not as a shorter fault interval. ``--iterations auto`` runs long enough for about
 ``--faults`` failures per configuration. The expected total time is printed before the runs.
 
 Each configuration runs the main job's model (gpt_tiny, TP=1 on 2 simulated nodes x 1 rank, micro batch 4 so the global batch of 8 is the main job's, on
@@ -18,7 +21,8 @@ mock data so that no rank preprocesses a corpus,
 ``scripts/launch_nodes.sh --max-restarts 50``) for ``--iterations`` iterations while a seeded fault
 injector SIGKILLs a random rank every ``--fault-every-s`` seconds of the run, until the last
 iteration is done; in ``replicated`` it also wipes that rank's node-local directory (a replaced node). A failure-free run of the same
-iterations (no checkpoints) gives the reference time. Printed side by side, one row per
+iterations (no checkpoints) gives the reference time. The rows are the entries of :func:`configs`
+(overrides, and whether a failure also replaces the node); a new kind of restart is one more entry. Printed side by side, one row per
 configuration: wall time, goodput (failure-free time / wall time), failures, iterations lost per
 failure (last step before the kill minus the step resumed from), seconds from a failure to the
 first new step, and the tier each restart resumed from. A configuration that has not finished
@@ -36,12 +40,12 @@ belong in node memory or on a node-local NVMe, and this machine's only local dis
 also holds the GLOBAL directory (an fsync there made a LOCAL save durable 0.55-0.7 s after its step,
 more than a step of this model, so a kill in that window lost a whole extra interval).
 
-The time from a failure to the first new step is split (columns ``detect``, ``imports``, ``setup``,
-``load``: see :func:`_split`). The README's "Goodput" section shows a run of this script.
+The time from a failure to the first new step is split (columns ``detect``, ``process`` (start),
+``imports``, ``setup``, ``load``: see :func:`goodput_records.split`). The README's "Goodput" section shows a run of this script.
 
-This process is also the worker (``RANK`` set by torchrun): it trains with ``pretrain`` and appends
-``{"t", "step", "pid"}`` per iteration to ``<run>/steps_rank<r>.jsonl`` and its pid and node-local
-directory to ``<run>/rank<r>.json`` at start, which is how the injector finds its victims.
+This process is also the worker (``RANK`` set by torchrun): it trains with ``pretrain``, records
+each iteration and its start as :mod:`goodput_records` says, and writes its pid and node-local
+directory to ``<run>/rank<r>.json`` at start, which is how the injectors find their victims.
 """
 
 from __future__ import annotations
@@ -58,29 +62,49 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))  # the sibling modules, also when loaded by path (tests)
+import goodput_launch  # noqa: E402
+from goodput_records import PARTS, analyse, finished, records  # noqa: E402
+
 LOCAL_EVERY = 5  # LOCAL interval of the fixed-interval configurations (iterations)
-NAMES = ("none", "global", "local_global", "replicated", "auto")
 NONE_LIMIT_FACTOR = 2.0  # ``none`` is stopped at this many failure-free times (see the module docstring)
 
 
-def configs(global_every: int) -> dict:
-    """Overrides of each configuration, GLOBAL every ``global_every`` iterations where it saves.
-    ``none`` keeps nothing, so a restart there starts over (``allow_fresh_start_on_invalid``: the
-    node-local run file of the first start is not a checkpoint to refuse a fresh start for)."""
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the table: its overrides and what a failure does besides the SIGKILL."""
+
+    overrides: list[str] = field(default_factory=list)
+    wipe_node: bool = False  # the killed rank's node-local directory is emptied too (a replaced node)
+
+
+def configs(global_every: int) -> dict[str, Row]:
+    """The rows, GLOBAL every ``global_every`` iterations where they save. ``none`` keeps nothing,
+    so a restart there starts over (``allow_fresh_start_on_invalid``: the node-local run file of the
+    first start is not a checkpoint to refuse a fresh start for). A new way of restarting is one
+    more entry here, e.g. in-process restart once it exists (issue 27)::
+
+        "inprocess": Row([*replicated, "resiliency.restart=in-process"]),
+        "inprocess_node": Row([*replicated, "resiliency.restart=in-process"], wipe_node=True),
+    """
     g = f"checkpoint.save_interval={global_every}"
+    local = [g, f"checkpoint.local_save_interval={LOCAL_EVERY}"]
+    replicated = [*local, "checkpoint.replication_factor=2"]
     return {
-        "none": ["checkpoint.allow_fresh_start_on_invalid=true"],
-        "global": [g],
-        "local_global": [g, f"checkpoint.local_save_interval={LOCAL_EVERY}"],
-        "replicated": [g, f"checkpoint.local_save_interval={LOCAL_EVERY}", "checkpoint.replication_factor=2"],
-        "auto": [g, "checkpoint.local_save_interval=auto"],
+        "none": Row(["checkpoint.allow_fresh_start_on_invalid=true"]),
+        "global": Row([g]),
+        "local_global": Row(local),
+        "replicated": Row(replicated, wipe_node=True),
+        "auto": Row([g, "checkpoint.local_save_interval=auto"]),
     }
+
+
+NAMES = tuple(configs(LOCAL_EVERY))
 
 
 class _LoadTimes(logging.Handler):
@@ -99,9 +123,11 @@ class _LoadTimes(logging.Handler):
 
 
 def worker(out: Path, overrides: list[str]) -> None:
-    """One rank: the main job's model, recording each iteration's end time and, per process, when
-    its interpreter started, when the imports were done and how long the checkpoint load took
-    (``<run>/starts.jsonl``)."""
+    """One rank: the main job's model, recording each iteration (end time, loss) and, per process,
+    when it was created, when its interpreter started, when the imports were done and how long the
+    checkpoint load took (:mod:`goodput_records`)."""
+    import psutil
+
     from tierstack import pretrain
     from tierstack.recipes import gpt_tiny_config
 
@@ -111,36 +137,17 @@ def worker(out: Path, overrides: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "local_dir": cfg.checkpoint.local_dir}))
     with open(out / "starts.jsonl", "a") as f:
-        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_process": _T_PROCESS, "t_imported": t_imported}) + "\n")
-    logging.getLogger("tierstack.checkpointing.manager").addHandler(_LoadTimes(out / "starts.jsonl", rank))
+        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_created": psutil.Process().create_time(),
+                            "t_process": _T_PROCESS, "t_imported": t_imported}) + "\n")
+    # (the line comes from checkpointing.resuming; on the package's logger, wherever it moves to next)
+    logging.getLogger("tierstack.checkpointing").addHandler(_LoadTimes(out / "starts.jsonl", rank))
     record = open(out / f"steps_rank{rank}.jsonl", "a")
 
     def on_step(ts, result):
-        record.write(json.dumps({"t": time.time(), "step": ts.step, "pid": os.getpid()}) + "\n")
+        record.write(json.dumps({"t": time.time(), "step": ts.step, "pid": os.getpid(), "loss": result.loss}) + "\n")
         record.flush()
 
     pretrain(cfg, on_step=on_step)
-
-
-def _records(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (``steps_rank0.jsonl``, ``starts.jsonl``); none while it does not
-    exist. A last line that does not parse is one a rank is still writing (or was killed writing):
-    it is left out; a damaged line before the last raises ``json.JSONDecodeError``."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    out = [json.loads(x) for x in lines[:-1]]
-    try:
-        out += [json.loads(x) for x in lines[-1:]]
-    except json.JSONDecodeError:
-        pass
-    return out
-
-
-def _finished(run: Path, last_step: int) -> bool:
-    """Rank 0 recorded ``last_step``: the training is done (what remains is the final save and exit)."""
-    steps = _records(run / "steps_rank0.jsonl")
-    return bool(steps) and steps[-1]["step"] >= last_step
 
 
 def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: threading.Event, kills: list,
@@ -149,7 +156,7 @@ def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: thr
     directory), until the run has recorded its last iteration: a kill after that would only hit a
     job that is done (and leave one node's agent waiting in a rendezvous the other has left)."""
     while not stop.wait(every_s):
-        if _finished(run, last_step):
+        if finished(run, last_step):
             return
         rank = rng.randrange(2)
         info = json.loads((run / f"rank{rank}.json").read_text()) if (run / f"rank{rank}.json").exists() else None
@@ -164,85 +171,22 @@ def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: thr
         kills.append({"t": time.time(), "rank": rank})
 
 
-def _run(name: str, extra: list[str], args, work: Path, faults: bool, injector=None) -> dict:
+def _run(name: str, row: Row, args, work: Path, faults: bool, injector=None) -> dict:
+    """One launch of ``row``; with ``faults`` the seeded injector kills a rank every ``args.fault_every_s``
+    seconds (the one fixed interval of every row), or ``injector(run, stop)`` does its own kills."""
     run = work / name
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
-    overrides = ["distributed.tensor_model_parallel_size=1", f"train.train_iters={args.iterations}",
-                 "train.eval_interval=null", "dataset.mock=true", "train.micro_batch_size=4", "logger.progress_bar=false", "mlflow=null", "straggler=null",
-                 f"logger.run_dir={run}", "checkpoint.local_save_interval=null", "checkpoint.save_interval=null",
-                 "checkpoint.mtbf_s=" + str(args.fault_every_s), *extra]
-    if not any(o.startswith("checkpoint.save_interval=") and not o.endswith("null") for o in extra):
-        overrides.append("checkpoint.save=null")
-    else:
-        overrides.append(f"checkpoint.save={run}/global")
-    local_root = args.local_root / name  # node<i>/local under it: node-local, apart from the GLOBAL directory
-    shutil.rmtree(local_root, ignore_errors=True)
-    cmd = ["bash", str(REPO / "scripts" / "launch_nodes.sh"), "--max-restarts", "50", "--local-root", str(local_root),
-           "2", "1", __file__, str(run), *overrides]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
-    stop, kills = threading.Event(), []
-    if injector is not None:  # the calibration's own kills
-        injector, faults = threading.Thread(target=injector, args=(run, stop), daemon=True), True
-    else:
-        injector = threading.Thread(target=_inject, args=(run, args.fault_every_s, random.Random(args.seed),
-                                                          name == "replicated", stop, kills, args.iterations),
-                                    daemon=True)
+    kills: list = []
+    overrides = goodput_launch.with_global_dir(
+        run, [*goodput_launch.base_overrides(run, args.iterations, args.fault_every_s), *row.overrides])
+    if injector is None and faults:
+        rng = random.Random(args.seed)
+        injector = lambda run, stop: _inject(run, args.fault_every_s, rng, row.wipe_node, stop, kills,  # noqa: E731
+                                             args.iterations)
     limit_s = args.limit_s
     if name == "none" and limit_s is not None and args.reference_s is not None:
         limit_s = min(limit_s, NONE_LIMIT_FACTOR * args.reference_s)
-    t0 = time.time()
-    with open(run / "launch.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
-        if faults:
-            injector.start()
-        try:
-            rc = proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:  # SIGTERM first: the agents then stop their ranks (own sessions)
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            rc = -9
-    stop.set()
-    wall = time.time() - t0
-    shutil.rmtree(local_root, ignore_errors=True)  # node memory when in /dev/shm
-    return {"name": name, "rc": rc, "wall": wall, "kills": kills, **_analyse(run, kills)}
-
-
-def _analyse(run: Path, kills: list) -> dict:
-    steps = _records(run / "steps_rank0.jsonl")
-    text = (run / "launch.log").read_text(errors="replace")
-    tiers = re.findall(r"resumed from (LOCAL|GLOBAL) checkpoint at iteration (\d+)", text)
-    starts = _records(run / "starts.jsonl")
-    lost, recover, parts = [], [], []
-    for i, k in enumerate(kills):
-        before = [s for s in steps if s["t"] < k["t"]]
-        after = [s for s in steps if s["t"] > k["t"]]
-        if before and after:
-            lost.append(before[-1]["step"] - (after[0]["step"] - 1))
-            recover.append(after[0]["t"] - k["t"])
-            parts.append(_split(k["t"], after[0]["t"], starts))
-    starts_from_zero = text.count("no checkpoint to resume from: fresh start") - 1
-    return {"lost": lost, "recover": recover, "parts": parts,
-            "tiers": [f"{t} {s}" for t, s in tiers] + ["scratch"] * max(0, starts_from_zero)}
-
-
-def _split(t_kill: float, t_step: float, starts: list) -> dict:
-    """Kill to the first new step, in four parts (seconds): ``detect``: the launchers notice the
-    failure and start new processes (to the last rank's new interpreter); ``imports``: interpreter
-    and imports (to the last rank's imports done); ``load``: the checkpoint load (rank 0's log line);
-    ``setup``: the rest (distributed init, model, optimizer, data, resume selection, the first step)."""
-    new = [s for s in starts if "t_process" in s and t_kill < s["t_process"] < t_step]
-    if not new:
-        return {}
-    t_proc = max(s["t_process"] for s in new)
-    t_imp = max(s["t_imported"] for s in new)
-    pids = {s["pid"] for s in new}
-    load = sum(s["load_s"] for s in starts if "load_s" in s and s["pid"] in pids and s["rank"] == 0)
-    return {"detect": t_proc - t_kill, "imports": t_imp - t_proc, "load": load,
-            "setup": t_step - t_imp - load}
+    r = goodput_launch.launch(run, overrides, args.local_root / name, limit_s=limit_s, injector=injector)
+    return {"name": name, **r, "kills": kills, **analyse(run, kills)}
 
 
 CALIBRATION_KILLS = 2  # restarts measured by the calibration (their mean: one alone varied 6.0-8.4 s here)
@@ -263,7 +207,7 @@ def _calibrate(args, work: Path) -> dict:
     def kill_after_seals(run: Path, stop: threading.Event) -> None:
         info = run / "rank1.json"
         while len(kills) < CALIBRATION_KILLS and not stop.wait(0.2):
-            done = _records(run / "steps_rank0.jsonl")
+            done = records(run / "steps_rank0.jsonl")
             pid = json.loads(info.read_text())["pid"] if info.exists() else None
             if len(done) >= (len(kills) + 1) * (LOCAL_EVERY + 2) and pid is not None and pid not in killed:
                 try:
@@ -274,7 +218,7 @@ def _calibrate(args, work: Path) -> dict:
                 kills.append({"t": time.time(), "rank": 1})
 
     r = _run("calibration", configs(6 * LOCAL_EVERY)["local_global"], cal, work, faults=False, injector=kill_after_seals)
-    steps = _records(run / "steps_rank0.jsonl")
+    steps = records(run / "steps_rank0.jsonl")
     first = [s["t"] for s in steps if not kills or s["t"] < kills[0]["t"]]
     gaps = sorted(b - a for a, b in zip(first, first[1:]))
     step_s = gaps[len(gaps) // 2] if gaps else float("nan")
@@ -283,12 +227,13 @@ def _calibrate(args, work: Path) -> dict:
     return {"rc": r["rc"], "step_s": step_s, "restart_s": restart_s, "restarts": restarts, "wall": r["wall"]}
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", default="auto",
                    help="iterations per configuration; auto: enough for --faults failures at the fault interval")
     p.add_argument("--fault-every-s", default="auto",
-                   help="seconds between kills; auto: --fault-factor times the restart time measured first")
+                   help="seconds between kills, the same for every row; auto: --fault-factor times the process "
+                        "restart time measured once by the calibration")
     p.add_argument("--fault-factor", type=float, default=4.0)
     p.add_argument("--global-every", default="auto",
                    help="GLOBAL interval (iterations); auto: about half the fault interval, in LOCAL intervals "
@@ -301,14 +246,45 @@ def main() -> None:
     p.add_argument("--local-root", default="auto",
                    help="where the simulated nodes' node-local directories go; auto: a folder in /dev/shm "
                         "(tmpfs: node memory, where LOCAL checkpoints are meant to live) when it exists, else the work dir")
+    p.add_argument("--chaos", type=float, default=None, metavar="MINUTES",
+                   help="run the chaos soak instead (scripts/chaos.py): a seeded mixed stream of faults for about "
+                        "MINUTES minutes, then checks and totals")
+    return p
+
+
+def _local_root(args, work: Path) -> tuple[Path, bool]:
+    """Where the node-local directories go, and whether this run made that folder (removed at the end)."""
+    shm = Path("/dev/shm")
+    if args.local_root != "auto":
+        return Path(args.local_root), False
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / f"tierstack_bench_goodput.{os.getpid()}", True
+    return work / "node_local", True
+
+
+def _print_row(name: str, r: dict, reference_wall: float) -> None:
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    parts = "".join(f"{mean([p[k] for p in r['parts'] if k in p]):>{max(7, len(k) + 1)}.{2 if k == 'load' else 1}f}"
+                    for k in PARTS)
+    goodput = f"{reference_wall / r['wall']:.2f}" if r["rc"] == 0 else "-"  # a stopped run made no goodput to speak of
+    print(f"{name:<14}{r['rc']:>4}{r['wall']:>9.1f}{goodput:>9}{len(r['kills']):>9}"
+          f"{mean(r['lost']):>10.1f}{mean(r['recover']):>13.1f}{parts}  {', '.join(r['tiers']) or '-'}", flush=True)
+
+
+def main() -> None:
+    """The goodput table (or, with ``--chaos``, the chaos soak); see the module docstring."""
+    p = _parser()
     args = p.parse_args()
     args.limit_s = args.reference_s = None
     work = Path(args.work_dir or f"/tmp/bench_goodput.{os.getpid()}")
-    shm = Path("/dev/shm")
-    own_local_root = args.local_root == "auto"  # made by this run: removed at the end
-    args.local_root = (Path(args.local_root) if args.local_root != "auto"
-                       else shm / f"tierstack_bench_goodput.{os.getpid()}" if shm.is_dir() and os.access(shm, os.W_OK)
-                       else work / "node_local")
+    args.local_root, own_local_root = _local_root(args, work)
+    if args.chaos is not None:
+        import chaos
+
+        status = chaos.main(args, work)
+        if own_local_root:
+            shutil.rmtree(args.local_root, ignore_errors=True)
+        sys.exit(status)
     names = [c for c in args.configs.split(",") if c]
     unknown = set(names) - set(NAMES)
     if unknown:
@@ -319,34 +295,31 @@ def main() -> None:
           f"launch {cal['wall']:.1f}s (rc {cal['rc']})", flush=True)
     if cal["restart_s"] != cal["restart_s"]:  # nan: the calibration run never came back
         sys.exit(f"calibration failed: no step after the kill; see {work / 'calibration' / 'launch.log'}")
-    args.fault_every_s = (args.fault_factor * cal["restart_s"] if args.fault_every_s == "auto"
-                          else float(args.fault_every_s))
+    auto = args.fault_every_s == "auto"
+    args.fault_every_s = args.fault_factor * cal["restart_s"] if auto else float(args.fault_every_s)
     args.iterations = (int(args.faults * args.fault_every_s / cal["step_s"]) + 1 if args.iterations == "auto"
                        else int(args.iterations))
     global_every = (max(2, round(args.fault_every_s / cal["step_s"] / 2 / LOCAL_EVERY)) * LOCAL_EVERY
                     if args.global_every == "auto" else int(args.global_every))
     estimate = (1 + len(names)) * (cal["wall"] + args.iterations * cal["step_s"]) + len(names) * args.faults * cal["restart_s"]
-    print(f"fault every {args.fault_every_s:.0f}s, {args.iterations} iterations per configuration; "
-          f"expected total about {estimate / 60:.0f} min", flush=True)
-    reference = _run("failure_free", [], args, work, faults=False)
+    how = (f"{args.fault_factor:g} x the process restart's {cal['restart_s']:.1f}s measured by the calibration"
+           if auto else "--fault-every-s")
+    print(f"fault interval: {args.fault_every_s:.1f}s, fixed for every row ({how}); {args.iterations} iterations per "
+          f"configuration; expected total about {estimate / 60:.0f} min", flush=True)
+    reference = _run("failure_free", Row(), args, work, faults=False)
     args.limit_s, args.reference_s = args.timeout_factor * reference["wall"], reference["wall"]
     print(f"== goodput: gpt_tiny TP=1 on 2 simulated nodes x 1 rank, {args.iterations} iterations, a rank killed every "
-          f"{args.fault_every_s:g}s (seed {args.seed}); LOCAL every {LOCAL_EVERY}, GLOBAL every {global_every}")
+          f"{args.fault_every_s:.1f}s in every row (seed {args.seed}); LOCAL every {LOCAL_EVERY}, GLOBAL every {global_every}")
     print(f"failure-free: {reference['wall']:.1f}s (rc {reference['rc']}); work dir {work}; "
           f"node-local directories under {args.local_root}")
     head = (f"{'configuration':<14}{'rc':>4}{'wall s':>9}{'goodput':>9}{'failures':>9}{'lost/fail':>10}{'fail->step s':>13}"
-            f"{'detect':>8}{'imports':>8}{'setup':>7}{'load':>6}  resumed from")
+            + "".join(f"{k:>{max(7, len(k) + 1)}}" for k in PARTS) + "  resumed from")
     print(head + "\n" + "-" * len(head))
+    rows = configs(global_every)
     for name in names:
-        r = _run(name, configs(global_every)[name], args, work, faults=True)
-        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-        part = lambda key: mean([p[key] for p in r["parts"] if key in p])  # noqa: E731
-        goodput = f"{reference['wall'] / r['wall']:.2f}" if r["rc"] == 0 else "-"  # a stopped run made no goodput to speak of
-        print(f"{name:<14}{r['rc']:>4}{r['wall']:>9.1f}{goodput:>9}{len(r['kills']):>9}"
-              f"{mean(r['lost']):>10.1f}{mean(r['recover']):>13.1f}{part('detect'):>8.1f}{part('imports'):>8.1f}"
-              f"{part('setup'):>7.1f}{part('load'):>6.2f}  {', '.join(r['tiers']) or '-'}", flush=True)
-    print("fail->step s = detect (launchers notice, new interpreters start) + imports + setup (init, model, data, "
-          "selection, first step) + load (checkpoint read, rank 0)")
+        _print_row(name, _run(name, rows[name], args, work, faults=True), reference["wall"])
+    print("fail->step s = detect (launchers notice, stop the other ranks, meet again) + process (new interpreter "
+          "start) + imports + setup (init, model, data, selection, first step) + load (checkpoint read, rank 0)")
     if own_local_root:  # (each configuration's part is gone already; never a folder the user named)
         shutil.rmtree(args.local_root, ignore_errors=True)
 

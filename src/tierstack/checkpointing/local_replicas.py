@@ -136,9 +136,10 @@ def _obtainable(held: list[list[str]], cliques: list[list[int]]) -> list[int]:
 def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str) -> Optional[int]:
     """Collective: make the newest step that every rank can obtain present in every rank's folder.
 
-    The ranks agree on the newest step every rank can obtain; the ranks missing their file of it
-    receive it and check it. When a received copy is damaged anywhere, the ranks move on to the
-    next older step that every rank can obtain (the damaged copy is never written).
+    The ranks agree on the newest step every rank can obtain; each rank checks its own file of it
+    (size and checksum: a damaged one is quarantined and counts as missing), and the ranks missing
+    their file of it receive it and check it. When a received copy is damaged anywhere, the ranks
+    move on to the next older step that every rank can obtain (the damaged copy is never written).
 
     First, one rank per node (the first of ``store.node_ranks``) moves the node's files to where
     this launch's layout looks for them (:meth:`ReplicaStore.normalize`: the rendezvous may have
@@ -164,6 +165,9 @@ def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str
         log.warning("resume: no LOCAL step can be obtained by every rank (no file or replica of rank(s) %s "
                     "survives); LOCAL is skipped", lacking or "some")
     for step in steps:
+        damaged = [r for r, bad in enumerate(_dist.all_gather_object(_own_file_damaged(store, held, step))) if bad]
+        for r in damaged:  # every rank drops them: no plan offers a damaged file
+            held[r] = [i for i in held[r] if i != replica_id(step, r)]
         missing = [r for r in range(len(held)) if replica_id(step, r) not in held[r]]
         if not missing:
             return step
@@ -173,6 +177,27 @@ def retrieve_for_resume(replicator: Replicator, store: ReplicaStore, run_id: str
             log.warning("resume: LOCAL step %d could not be rebuilt on every rank from replicas; trying an older one",
                         step)
     return None
+
+
+def _own_file_damaged(store: ReplicaStore, held: list[list[str]], step: int) -> bool:
+    """Whether this rank's own file of ``step`` fails its checksum (read once; the bytes are kept in
+    ``store.verified`` for the load). A damaged file is quarantined, so that the rank retrieves the
+    step from a replica instead (a peer holds a good copy of exactly this step) rather than every
+    rank falling back to an older step in selection. False when the rank does not hold the step."""
+    if replica_id(step, store.rank) not in held[store.rank]:
+        return False
+    ckpt, man_path = store.paths(step, store.rank)
+    try:
+        (_name, entry), = (paths.read_json(man_path) or {})["files"].items()
+        store.verified[step] = local_file.read_verified(ckpt, entry)
+        return False
+    except (OSError, KeyError, ValueError) as e:  # LocalFileError is a ValueError
+        log.error("resume: rank %d's own LOCAL file of step %d is damaged (%s): quarantined, retrieved from a "
+                  "replica instead", store.rank, step, e)
+        for p in (ckpt, man_path):
+            if p.exists():
+                paths.quarantine(p, str(e).split(" ")[0] or "damaged")
+        return True
 
 
 def _retrieve_step(replicator: Replicator, store: ReplicaStore, held: list[list[str]], step: int,

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from tierstack.checkpointing import compat, errors, local_exchange, local_file, local_memory, local_replicas, manifest
-from tierstack.checkpointing import model_settings, paths, retention, retry
+from tierstack.checkpointing import model_settings, paths, retention, retry, rewind
 from tierstack.checkpointing import state as ckpt_state
-from tierstack.checkpointing import rewind
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import CheckpointConfig
@@ -299,10 +298,11 @@ class LocalTier(StagedTier):
         """Collective: with replication, each node's files are first moved to where this launch's
         layout looks for them (the rendezvous may have given the node another index), then the ranks
         that miss their file of the newest step every rank can obtain retrieve it from a replica
-        (:func:`local_replicas.retrieve_for_resume`)."""
+        (:func:`local_replicas.retrieve_for_resume`; it checks this rank's own file, kept for verify)."""
         self._verified.clear()  # every (re)start selects afresh: nothing read before counts
         if self._replication is not None:
             self._replication.retrieve_for_resume(run_id)
+            self._verified, self._replication.store.verified = self._replication.store.verified, {}
 
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
         if self.root is None or not self.rank_dir.is_dir():
@@ -330,12 +330,12 @@ class LocalTier(StagedTier):
         file's pickled part is decoded here too, weights-only (:mod:`safe_load`), so a file that
         asks for code is refused in selection, like a damaged one, and the next candidate is tried.
         """
-        self._verified.clear()
+        data, self._verified = self._verified.get(cand.step), {}  # checked already by prepare_resume, or read now
         if self._held(cand.step, cand.manifest.get("run_id")) is not None:
             return None  # this process holds the step, sealed: resumed from memory, no file read
         (name, entry), = cand.manifest["files"].items()
         try:
-            data = local_file.read_verified(self.rank_dir / name, entry)
+            data = local_file.read_verified(self.rank_dir / name, entry) if data is None else data
             local_file.decode(data, self.rank_dir / name)  # weights-only: an unsafe pickle is refused here
             self._verified[cand.step] = data
         except FileNotFoundError:

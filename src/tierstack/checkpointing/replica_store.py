@@ -56,6 +56,8 @@ class ReplicaStore:
         self.root, self.rank = Path(root), rank
         self.node_ranks = tuple(node_ranks) or (rank,)
         self.kept_for = kept_for
+        # step -> this rank's own file's bytes, checked at resume (local_replicas), for the load to reuse
+        self.verified: dict[int, torch.Tensor] = {}
 
     def _keeps(self, owner: int) -> bool:
         """Whether ``replicas/<owner>`` is kept by a rank of this node (and pruned by it)."""

@@ -2,7 +2,8 @@
 
 With ``checkpoint.replication_factor=2`` the relaunch retrieves rank 1's LOCAL step 10 from the
 replica on node 0 and goes on bit for bit; when that replica is damaged, the copy is refused and
-the ranks take the older step 5 from the replicas; without replicas the same loss cannot resume from
+the ranks take the older step 5 from the replicas; when rank 1's own file of step 10 is damaged
+instead, rank 1 takes step 10 from its replica; without replicas the same loss cannot resume from
 LOCAL: the error names the rank that misses step 10, and no good file on the surviving node is renamed.
 When the relaunch gives each node the other's disk (the rendezvous decides which agent becomes which
 node), every file is still on the right node, only in the other folder: the run resumes from LOCAL.
@@ -92,6 +93,34 @@ def test_a_lost_node_resumes_from_a_replica_and_without_one_says_which_ranks_mis
     after = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and "local" in p.parts)
     assert after == before and not any(".invalid-" in p for p in after)  # no good file renamed
     assert any(p.endswith("iter_0000010_0_local.pt") for p in after)
+
+
+@pytest.mark.slow
+def test_a_damaged_own_file_is_replaced_by_its_replica_instead_of_falling_back_to_an_older_step(tmp_path):
+    """A launch killed after step 12 (LOCAL steps 5 and 10 sealed and replicated, no GLOBAL); then
+    rank 1's own file of step 10 is damaged (same size: only its checksum tells), its replica on
+    node 0 is good. The relaunch quarantines rank 1's file and retrieves step 10 from the replica,
+    and goes on bit for bit. (Before the fix, found by the chaos soak: every rank fell back to step 5,
+    losing a LOCAL interval that a peer held intact.)"""
+    proc, log = _launch(tmp_path, "killed", "checkpoint.replication_factor=2",
+                        env={"TIERSTACK_TEST_KILL_AT": "12", "TIERSTACK_TEST_KILL_NODE": "1"})
+    assert proc.returncode != 0 and "LOCAL checkpoint of step 10 sealed on every rank" in log, log[-5000:]
+    reference = {rank: _losses(tmp_path, rank, "killed") for rank in (0, 1)}
+    (own,) = (tmp_path / "run").glob("node*/local/1/iter_0000010_1_local.pt")
+    data = bytearray(own.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    own.write_bytes(bytes(data))
+
+    proc, log = _launch(tmp_path, "own_damaged", "checkpoint.replication_factor=2")
+    assert proc.returncode == 0, log[-5000:]
+    assert "rank 1's own LOCAL file of step 10 is damaged (checksum-mismatch" in log, log[-5000:]
+    assert "LOCAL step 10 of rank 1 retrieved from rank 0:" in log and "(checksum verified)" in log
+    assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=12 resumed_from=[10]" in log
+    assert list(own.parent.glob("iter_0000010_1_local.pt.invalid-checksum-mismatch*"))  # kept for inspection
+    assert not list(own.parent.glob("iter_0000005_1_local.pt.invalid-*"))
+    for rank in (0, 1):
+        expected = {s: v for s, v in reference[rank].items() if s > 10}
+        assert _losses(tmp_path, rank, "own_damaged") == expected and sorted(expected) == [11, 12]
 
 
 @pytest.mark.slow

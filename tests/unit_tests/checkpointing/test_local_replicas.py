@@ -302,7 +302,8 @@ def test_swapped_disks_own_files_under_replicas_are_adopted_and_the_other_ranks_
               for o, d in ((0, "replicas/0"), (1, "1")) for s in (5, 10)}
     tier = LocalTier(CheckpointConfig(local_dir=str(root), replication_factor=2), TWO_NODES)
     rank1 = [replica_id(s, 1) for s in (5, 10)]  # (one process: rank 1's view, its own files on its node)
-    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: [obj, rank1])
+    # (rank 1's holdings in that gather; in the one on damaged own files, rank 1's are fine)
+    monkeypatch.setattr(collectives, "all_gather_object", lambda obj: [obj, rank1 if isinstance(obj, list) else False])
     with caplog.at_level("WARNING"):
         tier.prepare_resume("runA")
     assert sorted(c.step for c in tier.candidates("runA")) == [5, 10]
@@ -367,3 +368,27 @@ def test_a_step_held_twice_is_never_overwritten_and_retention_removes_the_surplu
     assert sorted(p.name for p in (root / "1").iterdir()) == sorted(
         [paths.local_file_name(3, 1), paths.local_manifest_name(3, 1)])  # another run's stay
     assert _steps(root / "replicas" / "1", 1) == [10]  # the clique's replicas: most_recent_k as ever
+
+
+def test_a_damaged_own_file_of_the_step_is_quarantined_and_counts_as_missing(tmp_path, caplog):
+    """At resume each rank checks its own file of the step the ranks would take (checksum, same size:
+    only the bytes tell). A good one is kept in memory for the load; a damaged one is quarantined so
+    that the step is retrieved from a replica (local_replicas.retrieve_for_resume)."""
+    root = tmp_path / "local"
+    for step in (5, 10):
+        _write_own(root, step)
+    store = local_replicas.ReplicaStore(root, 0)
+    held = [store.holdings("runA"), []]
+    assert local_replicas._own_file_damaged(store, held, 10) is False
+    assert bytes(store.verified[10].numpy()) == store.paths(10, 0)[0].read_bytes()  # the bytes the load reuses
+    ckpt = store.paths(10, 0)[0]
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ckpt.write_bytes(bytes(data))
+    store.verified.clear()
+    with caplog.at_level("ERROR"):
+        assert local_replicas._own_file_damaged(store, held, 10) is True
+    assert "rank 0's own LOCAL file of step 10 is damaged (checksum-mismatch" in caplog.text
+    assert not ckpt.exists() and list(ckpt.parent.glob(ckpt.name + ".invalid-checksum-mismatch*"))
+    assert 10 not in store.verified and replica_id(10, 0) not in store.holdings("runA")
+    assert local_replicas._own_file_damaged(store, held, 7) is False  # a step it does not hold: not its to check

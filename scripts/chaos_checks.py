@@ -1,0 +1,129 @@
+"""What the chaos soak (``scripts/chaos.py``) concludes from a finished launch: how each fault was
+handled, whether every tier verifies, whether the losses equal the failure-free run's, and whether
+every GLOBAL checkpoint announced as published is still there."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from chaos_faults import Fault
+from goodput_records import final_losses, records
+
+DETECTED_BY = {
+    "kill": "rank {r}'s agent (the process exited)",
+    "node": "rank {r}'s agent (the process exited)",
+    "damage": "rank {r}'s agent; the file by its checksum at resume",
+    "hang": "rank {p}'s collective timeout (distributed.timeout_s), then rank {r}'s agent",
+    "eio": "rank {r}'s GLOBAL write (EIO, transient)",
+    "enospc": "rank {r}'s GLOBAL write (ENOSPC, permanent), agreed on every rank",
+    "slow": "nobody needs to: the write ends late",
+}
+
+
+def judge(f: Fault, run: Path, log: str, fired: dict[str, float]) -> dict:
+    """How ``f`` was handled: ``{"ok", "detected", "handled", "resumed", "seconds", "lost"}``
+    (``seconds``: fault to the first new step for a process fault; ``lost``: iterations redone)."""
+    row = {"ok": False, "detected": DETECTED_BY[f.kind].format(r=f.rank, p=1 - f.rank), "handled": "",
+           "resumed": "-", "seconds": None, "lost": None}
+    if f.kind in ("kill", "node", "hang", "damage"):
+        return _judge_restart(f, run, log, row)
+    t = fired.get(f.id)
+    if t is None:
+        row["handled"] = "never fired (the run did not touch its path)"
+        return row
+    f.t = t
+    s = f.step
+    if f.kind == "eio":
+        retried = re.search(rf"retrying.*iter_{s:07d}.*EIO|EIO.*iter_{s:07d}.*retrying", log) is not None
+        published = f"GLOBAL checkpoint of step {s} published" in log
+        row["ok"] = retried and published
+        row["handled"] = ("retried, then published" if row["ok"] else
+                          f"retried: {retried}, published: {published}")
+    elif f.kind == "enospc":
+        refused = [ln for ln in log.splitlines() if f"checkpoint of step {s} NOT" in ln and "ENOSPC" in ln]
+        after = log[log.find(refused[0]):] if refused else ""
+        later = sorted({int(m) for m in re.findall(r"GLOBAL checkpoint of step (\d+) published", after) if int(m) > s})
+        row["ok"] = bool(refused)
+        row["handled"] = ("not published, training went on; " + (f"next GLOBAL save published: step {later[0]}"
+                          if later else "no later GLOBAL save ran") if refused
+                          else "no 'NOT saved/published ... ENOSPC' line for that step")
+    elif f.kind == "slow":
+        m = re.search(rf"LOCAL checkpoint of step {s} sealed.*durable after ([\d.]+)s", log)
+        nxt = re.search(r"LOCAL checkpoint of step \d+ handed to the writer \(blocked ([\d.]+)s\)", log[m.end():]) if m else None
+        row["ok"] = m is not None
+        row["handled"] = ((f"sealed, durable after {m.group(1)}s; the next LOCAL save waited "
+                           f"{nxt.group(1) if nxt else '?'}s for it") if m else "step not sealed (a restart came first?)")
+    return row
+
+
+def _judge_restart(f: Fault, run: Path, log: str, row: dict) -> dict:
+    if f.t is None:
+        row["handled"] = "not injected (the run ended first)"
+        return row
+    steps = records(run / "steps_rank0.jsonl")
+    before = [s for s in steps if s["t"] < f.t]
+    after = [s for s in steps if s["t"] > f.t]
+    loads = [s for s in records(run / "starts.jsonl") if "tier" in s and s["rank"] == 0 and s["t"] > f.t]
+    if not after:
+        row["handled"] = "no step after it: the job did not recover"
+        return row
+    row["seconds"] = after[0]["t"] - f.t
+    resumed = after[0]["step"] - 1
+    row["lost"] = (before[-1]["step"] if before else 0) - resumed
+    row["resumed"] = f"{loads[0]['tier'].upper()} {loads[0]['step']}" if loads else "scratch"
+    row["ok"] = True
+    row["handled"] = "restarted by the launchers; " + (f.note or "rank killed" if f.kind != "hang" else "rank stopped")
+    if f.kind == "hang":
+        timeouts = len(re.findall(r"[Tt]imed out", log))
+        row["handled"] += (f"; the peer's collective timed out ({timeouts} 'timed out' line(s) in the logs)" if timeouts
+                           else "; no 'timed out' line in the logs (who noticed it?)")
+    if f.kind == "damage":
+        m = re.search(r"iter_(\d+)_", f.note)
+        damaged = int(m.group(1)) if m else None
+        if damaged is not None and resumed < damaged:
+            row["handled"] += f"; resumed from an OLDER step than the damaged {damaged} (its replica not used)"
+        elif damaged is not None:
+            row["handled"] += f"; step {damaged} fetched from the peer's replica"
+    return row
+
+
+def verify_tiers(paths: list[Path]) -> list[tuple[Path, int, str]]:
+    """``tierstack checkpoints verify`` on each path: ``(path, status, output)``."""
+    cli = Path(sys.executable).with_name("tierstack")
+    out = []
+    for p in paths:
+        proc = subprocess.run([str(cli), "checkpoints", "verify", str(p)], capture_output=True, text=True)
+        out.append((p, proc.returncode, proc.stdout + proc.stderr))
+    return out
+
+
+def compare_losses(reference: Path, chaos: Path, iterations: int) -> tuple[bool, str]:
+    """The final trajectory of the chaos run against the failure-free one, bit for bit (floats as
+    recorded: Python's repr, exact). Returns ``(equal, what differs or how many steps agree)``."""
+    ref, got = final_losses(reference), final_losses(chaos)
+    if sorted(ref) != list(range(1, iterations + 1)):
+        return False, f"the failure-free run recorded {len(ref)} of {iterations} steps"
+    missing = [s for s in ref if s not in got]
+    differ = [s for s in ref if s in got and got[s] != ref[s]]
+    if missing or differ:
+        first = differ[0] if differ else None
+        detail = f"; step {first}: {got[first]!r} vs {ref[first]!r}" if first else ""
+        return False, f"{len(missing)} steps missing, {len(differ)} differ{detail}"
+    return True, f"all {iterations} losses equal bit for bit (last: {ref[iterations]!r})"
+
+
+def published_kept(log: str, global_dir: Path, verified: bool) -> tuple[bool, str]:
+    """Every GLOBAL step announced as published still exists (and its tier verified), unless
+    retention announced its removal after a newer one was published."""
+    announced = sorted({int(s) for s in re.findall(r"GLOBAL checkpoint of step (\d+) published", log)})
+    removed = {int(s) for s in re.findall(r"retention: removing GLOBAL checkpoint \S*iter_(\d+)", log)}
+    present = {int(p.name[5:]) for p in global_dir.glob("iter_*") if p.name[5:].isdigit()}
+    lost = [s for s in announced if s not in present and not (s in removed and any(n > s for n in announced))]
+    if lost or not verified:
+        return False, f"published then lost: {lost}; GLOBAL verify passed: {verified}"
+    kept = sorted(present & set(announced))
+    return True, (f"{len(announced)} GLOBAL steps published; {kept} still there and verified, "
+                  f"{len(announced) - len(kept)} older ones removed by retention (most_recent_k)")

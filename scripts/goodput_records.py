@@ -1,0 +1,99 @@
+"""What the ranks of a goodput or chaos launch record, and what is read from it afterwards.
+
+Every rank (``scripts/bench_goodput.py`` run by torchrun) appends JSON lines to its run directory:
+
+- ``steps_rank<r>.jsonl``: ``{"t", "step", "pid", "loss"}`` per iteration (``t``: unix seconds at
+  the end of the step; ``loss``: the step's training loss, nats, as Python's float repr, which is
+  exact);
+- ``starts.jsonl``: per process ``{"rank", "pid", "t_created", "t_process", "t_imported"}`` (unix
+  seconds: the process was created by its launcher, its interpreter ran the script's first line,
+  its imports were done) and, once it resumed, ``{"rank", "pid", "t", "tier", "step", "load_s"}``.
+
+The functions here read those files while the ranks still write them, and split the time from a
+failure to the first new step into its parts (:func:`split`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+PARTS = ("detect", "process", "imports", "setup", "load")  # the split of fail->first step, in order
+
+
+def records(path: Path) -> list[dict]:
+    """The JSON lines of ``path``; none while it does not exist. A last line that does not parse
+    is one a rank is still writing (or was killed writing): it is left out.
+
+    Raises:
+        json.JSONDecodeError: a damaged line before the last.
+    """
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = [json.loads(x) for x in lines[:-1]]
+    try:
+        out += [json.loads(x) for x in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return out
+
+
+def finished(run: Path, last_step: int) -> bool:
+    """Rank 0 recorded ``last_step``: the training is done (what remains is the final save and exit)."""
+    steps = records(run / "steps_rank0.jsonl")
+    return bool(steps) and steps[-1]["step"] >= last_step
+
+
+def final_losses(run: Path) -> dict[int, float]:
+    """Step -> loss of rank 0's final trajectory: where a step ran more than once (it was redone
+    after a restart), its last run counts."""
+    return {s["step"]: s["loss"] for s in records(run / "steps_rank0.jsonl") if "loss" in s}
+
+
+def analyse(run: Path, kills: list) -> dict:
+    """Per failure (``kills``: ``{"t": unix seconds}`` each): iterations lost (last step before it
+    minus the step resumed from), seconds to the first new step and their :func:`split`; and the
+    tier each restart resumed from (``scratch`` for a fresh start after the first one)."""
+    steps = records(run / "steps_rank0.jsonl")
+    text = (run / "launch.log").read_text(errors="replace")
+    tiers = re.findall(r"resumed from (LOCAL|GLOBAL) checkpoint at iteration (\d+)", text)
+    starts = records(run / "starts.jsonl")
+    lost, recover, parts = [], [], []
+    for k in kills:
+        before = [s for s in steps if s["t"] < k["t"]]
+        after = [s for s in steps if s["t"] > k["t"]]
+        if before and after:
+            lost.append(before[-1]["step"] - (after[0]["step"] - 1))
+            recover.append(after[0]["t"] - k["t"])
+            parts.append(split(k["t"], after[0]["t"], starts))
+    starts_from_zero = text.count("no checkpoint to resume from: fresh start") - 1
+    return {"lost": lost, "recover": recover, "parts": parts,
+            "tiers": [f"{t} {s}" for t, s in tiers] + ["scratch"] * max(0, starts_from_zero)}
+
+
+def split(t_fail: float, t_step: float, starts: list) -> dict:
+    """Failure to the first new step (unix seconds), in the parts of :data:`PARTS` (seconds), over
+    the processes that started in between (the restarted ranks; the last one of each part counts):
+
+    - ``detect``: the launchers notice the failure, stop the other ranks and meet again, to the
+      creation of the last new process;
+    - ``process``: process start: a new interpreter up to the script's first line;
+    - ``imports``: torch, megatron-core, tierstack;
+    - ``load``: the checkpoint load (rank 0's log line);
+    - ``setup``: the rest (distributed init, model, optimizer, data, resume selection, first step).
+
+    Empty when no process started in between (a restart that keeps its processes, as an
+    in-process restart will, needs records of its own for its parts).
+    """
+    new = [s for s in starts if "t_process" in s and t_fail < s["t_process"] < t_step]
+    if not new:
+        return {}
+    t_proc = max(s["t_process"] for s in new)
+    t_created = max(s.get("t_created", s["t_process"]) for s in new)
+    t_imp = max(s["t_imported"] for s in new)
+    pids = {s["pid"] for s in new}
+    load = sum(s["load_s"] for s in starts if "load_s" in s and s["pid"] in pids and s["rank"] == 0)
+    return {"detect": t_created - t_fail, "process": t_proc - t_created, "imports": t_imp - t_proc, "load": load,
+            "setup": t_step - t_imp - load}
