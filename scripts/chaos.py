@@ -68,7 +68,7 @@ def _probe(work: Path, local_root: Path) -> dict:
     if r["rc"] != 0 or len(steps) < 3:
         raise SystemExit(f"chaos: the probe launch failed (rc {r['rc']}); see {run / 'launch.log'}")
     gaps = sorted(b["t"] - a["t"] for a, b in zip(steps[1:], steps[2:]))  # the first step compiles
-    start = records(run / "starts.jsonl")[0]["t_created"]
+    start = min(s["t_created"] for s in records(run / "starts.jsonl") if "t_created" in s)  # not the load lines
     return {"step_s": gaps[len(gaps) // 2], "startup_s": steps[0]["t"] - start, "wall": r["wall"]}
 
 
@@ -127,7 +127,8 @@ def main(args, work: Path) -> int:
                     [p.read_text(errors="replace") for p in sorted((run / "logs").glob("*.log"))])
     fired = chaos_faults.fired_at(fault_dir)
     rows = [chaos_checks.judge(f, run, log, fired) for f in faults]
-    t0 = min(s["t_created"] for s in records(run / "starts.jsonl")) if (run / "starts.jsonl").exists() else 0.0
+    starts = records(run / "starts.jsonl") if (run / "starts.jsonl").exists() else []
+    t0 = min((s["t_created"] for s in starts if "t_created" in s), default=0.0)  # the file has load lines too
     goodput = reference["wall"] / soak["wall"] if soak["rc"] == 0 else float("nan")
     print(f"soak: {soak['wall']:.1f}s (rc {soak['rc']}), goodput {goodput:.2f} of the failure-free run "
           f"(target >= {TARGET}); {_load()}; t s = seconds after the first rank started")

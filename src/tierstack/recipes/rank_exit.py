@@ -24,6 +24,7 @@ import time
 from typing import Optional
 
 from tierstack.resiliency import fast_exit
+from tierstack.resiliency.signals import held_stop_signal
 
 log = logging.getLogger("tierstack")
 
@@ -67,13 +68,16 @@ def leave_after_rank_0(status: int) -> None:
 
 def _exit_after(grace_s: float, status: int, signals: tuple) -> None:
     """End this process with ``status`` after ``grace_s`` seconds, or at once when one of
-    ``signals`` arrives (torchrun's stop of its workers). Never returns."""
+    ``signals`` arrives (torchrun's stop of its workers), or came already while the run unwound
+    (:func:`~tierstack.resiliency.signals.held_stop_signal`). Never returns."""
 
     def leave(signum, frame):
         exit_now(status)
 
     for sig in signals:
         signal.signal(sig, leave)
+    if held_stop_signal() is not None:
+        exit_now(status)
     time.sleep(grace_s)
     exit_now(status)
 

@@ -4,12 +4,29 @@ at the next step boundary."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Optional
 
 from tierstack.runtime import collectives
 
 log = logging.getLogger(__name__)
+
+_held: list[str] = []  # stop signals that came while a failed run unwound (see ExitRequest.restore)
+
+
+def _hold(signum, frame) -> None:
+    _held.append(signal.Signals(signum).name)
+    if len(_held) >= 3:  # a third one ends the process as the default action does
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def held_stop_signal() -> Optional[str]:
+    """The name of the first SIGTERM that came after a failed run restored its handlers
+    (:meth:`ExitRequest.restore` with an error), or None. The rank's exit path ends at once when
+    one came (torchrun's agent stopping the workers) instead of waiting for it."""
+    return _held[0] if _held else None
 
 
 class ExitRequest:
@@ -31,6 +48,8 @@ class ExitRequest:
     def __init__(self, signals: tuple = (signal.SIGTERM, signal.SIGHUP), early_warning: Optional[str] = None):
         self._requested: Optional[str] = None
         self._previous = {}
+        if _held:  # a stop signal came between a failed attempt and this one (in-process restart)
+            self._requested = _held[0]
         self._once = {signal.SIGHUP}
         if early_warning is not None:
             self._once.add(signal.Signals[early_warning])
@@ -75,11 +94,19 @@ class ExitRequest:
     def reason(self) -> Optional[str]:
         return self._requested
 
-    def restore(self) -> None:
-        """Put the previous signal handlers back."""
+    def restore(self, error: Optional[BaseException] = None) -> None:
+        """Put the previous signal handlers back.
+
+        Args:
+            error: what ended the run, if it failed. Then SIGTERM is held instead
+                (:func:`held_stop_signal`; a third one kills): the rank still has to say why it
+                stops (:mod:`tierstack.recipes.rank_exit`), and torchrun's agent, which saw a peer
+                die, sends its SIGTERM in that instant; with the default action back, it killed the
+                rank before its one line (seen in CI: the survivor said nothing about a killed peer).
+        """
         for sig, prev in self._previous.items():
             try:
-                signal.signal(sig, prev)
+                signal.signal(sig, _hold if error is not None and sig == signal.SIGTERM else prev)
             except (ValueError, TypeError):
                 pass
         self._previous = {}

@@ -48,7 +48,7 @@ def pretrain(
     on_step = watch_steps(on_step)  # under in-process restart: its first step is logged with its time
     with contextlib.ExitStack() as closers:
         exit_request = ExitRequest(early_warning=config.train.exit_signal)
-        closers.callback(exit_request.restore)
+        register(closers, "signal handlers", exit_request.restore, with_error=True)
         heartbeat = Heartbeat.from_environment()  # under NVRx ft_launcher only: a hung rank gets restarted
         if heartbeat is not None:
             register(closers, "heartbeat", heartbeat.close)

@@ -1,6 +1,7 @@
-"""The timers name the slow rank: 2 ranks, rank 1's forward steps made 4x slower (a sleep in
+"""The timers name the slow rank: 2 ranks, rank 1's forward steps made 7x slower (a sleep in
 proportion); every log line's ``timers/slowest_rank`` in ``metrics.jsonl`` is 1, and the console line
-says ``max r1``."""
+says ``max r1``. (7x, not 4x: on CI's 2 shared cores a stall of rank 0 once outweighed a 4x slower
+rank 1 in one 2-step window.)"""
 
 import json
 
@@ -9,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_the_slow_rank_is_named_in_every_log_line(tmp_path, pretrain_run):
-    log = pretrain_run(tmp_path, 1, 3.0, "straggler=null", "mlflow=null", "checkpoint.save_interval=null",
+    log = pretrain_run(tmp_path, 1, 6.0, "straggler=null", "mlflow=null", "checkpoint.save_interval=null",
                        "checkpoint.local_save_interval=null")
     records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "timers/slowest_rank" in r]
