@@ -104,6 +104,8 @@ class ExitRequest:
                 die, sends its SIGTERM in that instant; with the default action back, it killed the
                 rank before its one line (seen in CI: the survivor said nothing about a killed peer).
         """
+        if error is not None and self._requested == "SIGTERM" and not _held:
+            _held.append("SIGTERM")  # it came while the run unwound: the exit path need not wait for it
         for sig, prev in self._previous.items():
             try:
                 signal.signal(sig, _hold if error is not None and sig == signal.SIGTERM else prev)
