@@ -77,20 +77,33 @@ NONE_LIMIT_FACTOR = 2.0  # ``none`` is stopped at this many failure-free times (
 
 @dataclass(frozen=True)
 class Row:
-    """One configuration of the table: its overrides and what a failure does besides the SIGKILL."""
+    """One configuration of the table: its overrides, what a failure is, and how the ranks are laid out."""
 
     overrides: list[str] = field(default_factory=list)
     wipe_node: bool = False  # the killed rank's node-local directory is emptied too (a replaced node)
+    fault: str = "kill"  # "kill": SIGKILL of the rank's process; "raise": the rank raises after its step
+    nodes: int = 2  # simulated nodes (one torchrun agent each)
+    spares: int = 0  # warm spare processes (resiliency.spare_ranks), all on the last node
+
+    def processes_per_node(self) -> int:
+        return 2 // self.nodes + self.spares  # 2 training ranks in every row
 
 
-def configs(global_every: int) -> dict[str, Row]:
+IN_PROCESS = ["resiliency.restart=in-process", "resiliency.heartbeat_timeout_s=3"]
+
+
+def configs(global_every: int, faults: int = 3) -> dict[str, Row]:
     """The rows, GLOBAL every ``global_every`` iterations where they save. ``none`` keeps nothing,
     so a restart there starts over (``allow_fresh_start_on_invalid``: the node-local run file of the
     first start is not a checkpoint to refuse a fresh start for). A new way of restarting is one
-    more entry here, e.g. in-process restart once it exists (issue 27)::
+    more entry here.
 
-        "inprocess": Row([*replicated, "resiliency.restart=in-process"]),
-        "inprocess_node": Row([*replicated, "resiliency.restart=in-process"], wipe_node=True),
+    In-process restart (``resiliency.restart=in-process``) has two rows. ``inprocess``: a rank
+    raises (its process lives on; the 2 nodes and replication of ``replicated``), every rank
+    restarts in its own process. ``inprocess_spare``: a rank's process is SIGKILLed and a warm spare
+    takes its rank (one node of 2 ranks and ``faults + 1`` spares, enough for the run's kills; NVRx
+    gives the active ranks the lowest global ranks, so spares on their own simulated node would put
+    both active ranks on one node; the killed rank's file is read by the spare from the node).
     """
     g = f"checkpoint.save_interval={global_every}"
     local = [g, f"checkpoint.local_save_interval={LOCAL_EVERY}"]
@@ -101,6 +114,9 @@ def configs(global_every: int) -> dict[str, Row]:
         "local_global": Row(local),
         "replicated": Row(replicated, wipe_node=True),
         "auto": Row([g, "checkpoint.local_save_interval=auto"]),
+        "inprocess": Row([*replicated, *IN_PROCESS], fault="raise"),
+        "inprocess_spare": Row([*local, *IN_PROCESS, f"resiliency.spare_ranks={faults + 1}"], nodes=1,
+                               spares=faults + 1),
     }
 
 
@@ -110,15 +126,15 @@ NAMES = tuple(configs(LOCAL_EVERY))
 class _LoadTimes(logging.Handler):
     """Appends the checkpoint manager's "resumed from ... in N s" line, as numbers, to ``starts``."""
 
-    def __init__(self, starts: Path, rank: int):
+    def __init__(self, starts: Path):
         super().__init__(level=logging.INFO)
-        self.starts, self.rank = starts, rank
+        self.starts = starts
 
     def emit(self, record: logging.LogRecord) -> None:
         m = re.match(r"resumed from (\w+) checkpoint of step (\d+) at .* in ([\d.]+)s", record.getMessage())
         if m:
             with open(self.starts, "a") as f:
-                f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "t": time.time(), "tier": m.group(1),
+                f.write(json.dumps({"rank": int(os.environ["RANK"]), "pid": os.getpid(), "t": time.time(), "tier": m.group(1),
                                     "step": int(m.group(2)), "load_s": float(m.group(3))}) + "\n")
 
 
@@ -135,26 +151,44 @@ def worker(out: Path, overrides: list[str]) -> None:
     cfg = gpt_tiny_config().apply_overrides(overrides)
     rank = int(os.environ["RANK"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "local_dir": cfg.checkpoint.local_dir}))
     with open(out / "starts.jsonl", "a") as f:
         f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_created": psutil.Process().create_time(),
                             "t_process": _T_PROCESS, "t_imported": t_imported}) + "\n")
     # (the line comes from checkpointing.resuming; on the package's logger, wherever it moves to next)
-    logging.getLogger("tierstack.checkpointing").addHandler(_LoadTimes(out / "starts.jsonl", rank))
-    record = open(out / f"steps_rank{rank}.jsonl", "a")
+    logging.getLogger("tierstack.checkpointing").addHandler(_LoadTimes(out / "starts.jsonl"))
 
     def on_step(ts, result):
-        record.write(json.dumps({"t": time.time(), "step": ts.step, "pid": os.getpid(), "loss": result.loss}) + "\n")
-        record.flush()
+        rank = int(os.environ["RANK"])  # under in-process restart, this attempt's rank
+        with open(out / f"steps_rank{rank}.jsonl", "a") as record:
+            record.write(json.dumps({"t": time.time(), "step": ts.step, "pid": os.getpid(), "loss": result.loss}) + "\n")
+        raise_file = out / f"raise.rank{rank}"
+        if raise_file.exists():  # the injector of a "raise" row asks this rank to fail
+            raise_file.unlink()
+            with open(out / "raised.jsonl", "a") as f:  # the failure's time (the injector's is a step earlier)
+                f.write(json.dumps({"t": time.time(), "rank": rank, "step": ts.step}) + "\n")
+            raise RuntimeError(f"injected failure on rank {rank} after step {ts.step}")
 
-    pretrain(cfg, on_step=on_step)
+    def train(config):
+        rank = int(os.environ["RANK"])  # each attempt writes who holds the rank now (the injector's victim)
+        (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "local_dir": config.checkpoint.local_dir}))
+        if cfg.resiliency.in_process:
+            with open(out / "starts.jsonl", "a") as f:
+                f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_attempt": time.time()}) + "\n")
+        return pretrain(config, on_step=on_step)
+
+    if cfg.resiliency.in_process:
+        from tierstack.resiliency import in_process
+
+        sys.exit(in_process.run(cfg, train, rehearse=pretrain))
+    train(cfg)
 
 
-def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: threading.Event, kills: list,
+def _inject(run: Path, every_s: float, rng: random.Random, row: Row, stop: threading.Event, kills: list,
             last_step: int) -> None:
-    """Every ``every_s`` seconds, SIGKILL a random rank (and with ``wipe`` empty its node-local
-    directory), until the run has recorded its last iteration: a kill after that would only hit a
-    job that is done (and leave one node's agent waiting in a rendezvous the other has left)."""
+    """Every ``every_s`` seconds, fail a random rank as ``row.fault`` says (SIGKILL, or ask it to
+    raise after its next step; with ``row.wipe_node`` also empty its node-local directory), until
+    the run has recorded its last iteration: a fault after that would only hit a job that is done
+    (and leave one node's agent waiting in a rendezvous the other has left)."""
     while not stop.wait(every_s):
         if finished(run, last_step):
             return
@@ -163,10 +197,13 @@ def _inject(run: Path, every_s: float, rng: random.Random, wipe: bool, stop: thr
         if info is None:
             continue
         try:
-            os.kill(info["pid"], signal.SIGKILL)
+            if row.fault == "raise":
+                (run / f"raise.rank{rank}").touch()
+            else:
+                os.kill(info["pid"], signal.SIGKILL)
         except ProcessLookupError:
             continue
-        if wipe and info["local_dir"]:
+        if row.wipe_node and info["local_dir"]:
             shutil.rmtree(Path(info["local_dir"]), ignore_errors=True)
         kills.append({"t": time.time(), "rank": rank})
 
@@ -180,12 +217,15 @@ def _run(name: str, row: Row, args, work: Path, faults: bool, injector=None) -> 
         run, [*goodput_launch.base_overrides(run, args.iterations, args.fault_every_s), *row.overrides])
     if injector is None and faults:
         rng = random.Random(args.seed)
-        injector = lambda run, stop: _inject(run, args.fault_every_s, rng, row.wipe_node, stop, kills,  # noqa: E731
+        injector = lambda run, stop: _inject(run, args.fault_every_s, rng, row, stop, kills,  # noqa: E731
                                              args.iterations)
     limit_s = args.limit_s
     if name == "none" and limit_s is not None and args.reference_s is not None:
         limit_s = min(limit_s, NONE_LIMIT_FACTOR * args.reference_s)
-    r = goodput_launch.launch(run, overrides, args.local_root / name, limit_s=limit_s, injector=injector)
+    r = goodput_launch.launch(run, overrides, args.local_root / name, limit_s=limit_s, injector=injector,
+                              nodes=row.nodes, processes_per_node=row.processes_per_node())
+    if row.fault == "raise":  # a failure is the raise itself, after the step the injector's request met
+        kills = [{"t": x["t"], "rank": x["rank"]} for x in records(run / "raised.jsonl")]
     return {"name": name, **r, "kills": kills, **analyse(run, kills)}
 
 
@@ -315,7 +355,7 @@ def main() -> None:
     head = (f"{'configuration':<14}{'rc':>4}{'wall s':>9}{'goodput':>9}{'failures':>9}{'lost/fail':>10}{'fail->step s':>13}"
             + "".join(f"{k:>{max(7, len(k) + 1)}}" for k in PARTS) + "  resumed from")
     print(head + "\n" + "-" * len(head))
-    rows = configs(global_every)
+    rows = configs(global_every, args.faults)
     for name in names:
         _print_row(name, _run(name, rows[name], args, work, faults=True), reference["wall"])
     print("fail->step s = detect (launchers notice, stop the other ranks, meet again) + process (new interpreter "

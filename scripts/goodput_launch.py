@@ -37,8 +37,8 @@ def with_global_dir(run: Path, overrides: list[str]) -> list[str]:
 
 def launch(run: Path, overrides: list[str], local_root: Path, *, limit_s: Optional[float] = None,
            injector: Optional[Callable[[Path, threading.Event], None]] = None, env: Optional[dict] = None,
-           keep_local: bool = False) -> dict:
-    """Run the worker on 2 nodes x 1 rank with ``--max-restarts`` :data:`MAX_RESTARTS`, output to
+           keep_local: bool = False, nodes: int = 2, processes_per_node: int = 1) -> dict:
+    """Run the worker on ``nodes`` x ``processes_per_node`` (default 2 x 1) with ``--max-restarts`` :data:`MAX_RESTARTS`, output to
     ``<run>/launch.log``; ``injector(run, stop)`` runs on a thread meanwhile (``stop`` is set when
     the launch has ended). The node-local directories go under ``local_root`` (removed at the end
     unless ``keep_local``). ``run`` is emptied first.
@@ -53,8 +53,10 @@ def launch(run: Path, overrides: list[str], local_root: Path, *, limit_s: Option
     run.mkdir(parents=True)
     shutil.rmtree(local_root, ignore_errors=True)
     cmd = ["bash", str(REPO / "scripts" / "launch_nodes.sh"), "--max-restarts", str(MAX_RESTARTS), "--local-root",
-           str(local_root), "2", "1", str(WORKER), str(run), *overrides]
+           str(local_root), str(nodes), str(processes_per_node), str(WORKER), str(run), *overrides]
     full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, **(env or {})}
+    if "resiliency.restart=in-process" in overrides:  # gloo's and the store's per-poll warnings
+        full_env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     stop = threading.Event()
     thread = None if injector is None else threading.Thread(target=injector, args=(run, stop), daemon=True)
     t0 = time.time()

@@ -7,7 +7,9 @@ Every rank (``scripts/bench_goodput.py`` run by torchrun) appends JSON lines to 
   exact);
 - ``starts.jsonl``: per process ``{"rank", "pid", "t_created", "t_process", "t_imported"}`` (unix
   seconds: the process was created by its launcher, its interpreter ran the script's first line,
-  its imports were done) and, once it resumed, ``{"rank", "pid", "t", "tier", "step", "load_s"}``.
+  its imports were done), under in-process restart ``{"rank", "pid", "t_attempt"}`` at each attempt's
+  start, and, once it resumed, ``{"rank", "pid", "t", "tier", "step", "load_s"}``;
+- ``rank<r>.json``: ``{"pid", "local_dir"}`` of the process that holds rank ``r`` now (the injectors' victim).
 
 The functions here read those files while the ranks still write them, and split the time from a
 failure to the first new step into its parts (:func:`split`).
@@ -84,12 +86,19 @@ def split(t_fail: float, t_step: float, starts: list) -> dict:
     - ``load``: the checkpoint load (rank 0's log line);
     - ``setup``: the rest (distributed init, model, optimizer, data, resume selection, first step).
 
-    Empty when no process started in between (a restart that keeps its processes, as an
-    in-process restart will, needs records of its own for its parts).
+    An in-process restart starts no process: its ranks record each attempt's start instead
+    (``{"rank", "pid", "t_attempt"}``); then ``detect`` runs to the last attempt's start (NVRx
+    notices, aborts, meets in its barrier, assigns the ranks), ``process`` and ``imports`` are 0, and
+    ``load`` is rank 0's load line of that attempt. Empty when neither is found in between.
     """
     new = [s for s in starts if "t_process" in s and t_fail < s["t_process"] < t_step]
     if not new:
-        return {}
+        attempts = [s["t_attempt"] for s in starts if "t_attempt" in s and t_fail < s["t_attempt"] < t_step]
+        if not attempts:
+            return {}
+        t_att = max(attempts)
+        load = sum(s["load_s"] for s in starts if "load_s" in s and s["rank"] == 0 and t_att < s["t"] < t_step)
+        return {"detect": t_att - t_fail, "process": 0.0, "imports": 0.0, "load": load, "setup": t_step - t_att - load}
     t_proc = max(s["t_process"] for s in new)
     t_created = max(s.get("t_created", s["t_process"]) for s in new)
     t_imp = max(s["t_imported"] for s in new)
