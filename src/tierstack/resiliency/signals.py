@@ -106,6 +106,8 @@ class ExitRequest:
         """
         if error is not None and self._requested == "SIGTERM" and not _held:
             _held.append("SIGTERM")  # it came while the run unwound: the exit path need not wait for it
+        elif error is None:
+            _held.clear()  # a run that ended well served any stop request it took over
         for sig, prev in self._previous.items():
             try:
                 signal.signal(sig, _hold if error is not None and sig == signal.SIGTERM else prev)
