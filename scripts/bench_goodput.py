@@ -83,7 +83,7 @@ class Row:
     wipe_node: bool = False  # the killed rank's node-local directory is emptied too (a replaced node)
     fault: str = "kill"  # "kill": SIGKILL of the rank's process; "raise": the rank raises after its step
     nodes: int = 2  # simulated nodes (one torchrun agent each)
-    spares: int = 0  # warm spare processes (resiliency.spare_ranks), all on the last node
+    spares: int = 0  # warm spare processes per node (resiliency.spare_ranks when nodes=1, as in every row with spares)
 
     def processes_per_node(self) -> int:
         return 2 // self.nodes + self.spares  # 2 training ranks in every row
@@ -171,7 +171,7 @@ def worker(out: Path, overrides: list[str]) -> None:
     def train(config):
         rank = int(os.environ["RANK"])  # each attempt writes who holds the rank now (the injector's victim)
         (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "local_dir": config.checkpoint.local_dir}))
-        if cfg.resiliency.in_process:
+        if config.resiliency.in_process:
             with open(out / "starts.jsonl", "a") as f:
                 f.write(json.dumps({"rank": rank, "pid": os.getpid(), "t_attempt": time.time()}) + "\n")
         return pretrain(config, on_step=on_step)
