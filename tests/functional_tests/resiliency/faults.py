@@ -17,6 +17,12 @@ torchrun's environment.
 
 Each firing appends ``id rank pid unix_time path`` to ``$TIERSTACK_FAULT_DIR/fired.log``; a fault with
 ``times: 1`` fires once over all processes (an ``O_EXCL`` marker file decides).
+
+The GLOBAL writer's early-writeback thread (``tierstack-writeback``, :mod:`tierstack.checkpointing.writeback`)
+opens each data file read-only once the file takes longer than its interval to write (timing:
+on a busy machine only) and by design ignores any error of its own. A fault meant for the save's
+reads (the checksum) would be used up there without a trace, so faults skip that thread unless
+they say ``"writeback": true``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 
 _FAULTS: list = []
@@ -45,6 +52,8 @@ def _fires(fault: dict, path) -> bool:
         return False
     if not fnmatch.fnmatch(os.fsdecode(path), fault["path"]):  # bytes paths too (numpy, megatron)
         return False
+    if threading.current_thread().name == "tierstack-writeback" and not fault.get("writeback"):
+        return False  # best-effort observer: its errors are ignored by design (module docstring)
     if fault.get("if_exists") and not glob.glob(fault["if_exists"]):
         return False
     if int(fault.get("times", 1)) == 1:
