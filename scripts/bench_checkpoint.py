@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from checkpoint_bench_report import paired_report, profile_one, report
 from checkpoint_bench_state import (CHUNK_BYTES, Bench, bench_config, build, bytes_under, evict, evict_all,
-                                    files_under, flatten_state, max_over_ranks, rank, remove, sum_over_ranks, timed,
+                                    files_under, flatten_state, max_over_ranks, rank, remove, settle, sum_over_ranks,
+                                    timed,
                                     with_checkpoint)
 
 
@@ -72,6 +73,7 @@ def measure_limits(b: Bench, reps: int) -> dict[str, list[float]]:
         out["memcpy"].append(timed(lambda: dst.copy_(src))[0])
         # Not a limit: what a snapshot into freshly allocated memory pays (first-touch page faults).
         out["clone"].append(timed(lambda: src.clone())[0])
+        settle()
         out["write"].append(timed(write)[0])
         evict([path])
         out["read_cold"].append(timed(read)[0])
@@ -118,6 +120,7 @@ def measure_global_sync(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
         if i % 2:
             out["paired dcp.save"].append(peer_rep(b, "dcp.save", b.root / "paired")[1])
         b.objs.train_state.step += 1
+        settle()
         s, _ = timed(lambda: mgr.save(CheckpointTier.GLOBAL, b.objs))
         out["blocking"].append(s)  # sync: returns after fsync, manifest, rename, trackers
         out["bytes"].append(mgr.events[-1].bytes)
@@ -139,9 +142,14 @@ def measure_async(b: Bench, mgr, tier, reps: int, max_steps: int) -> dict[str, l
     from tierstack.checkpointing import CheckpointTier
 
     out: dict[str, list[float]] = {k: [] for k in ("blocking", "durable", "extra", "steps", "base", "bytes")}
-    for _ in range(reps):
+    for i in range(reps):
+        # GLOBAL: its peers at once, on the same state and page cache, in reversed order on odd
+        # repetitions (ours, dcp.async_save, dcp.save / dcp.save, dcp.async_save, ours): see paired_report
+        peers_first = tier is CheckpointTier.GLOBAL and i % 2 == 1
+        if peers_first:
+            _paired_async_peers(b, out, reverse=True)
         b.objs.train_state.step += 1
-        dist.barrier()
+        settle()
         t0 = time.perf_counter()
         mgr.save(tier, b.objs)
         blocking = max_over_ranks(time.perf_counter() - t0)
@@ -149,11 +157,8 @@ def measure_async(b: Bench, mgr, tier, reps: int, max_steps: int) -> dict[str, l
         out["durable"].append(max_over_ranks(mgr.last_durable_s(tier)))
         out["blocking"].append(blocking)
         out["bytes"].append(saved_bytes(b, mgr, tier))
-        if tier is CheckpointTier.GLOBAL:  # its peers at once, on the same state and page cache
-            blocking_a, durable_a, _ = peer_rep(b, "dcp.async_save", b.root / "paired")
-            out.setdefault("paired dcp.async_save blocking", []).append(blocking_a)
-            out.setdefault("paired dcp.async_save durable", []).append(durable_a)
-            out.setdefault("paired dcp.save", []).append(peer_rep(b, "dcp.save", b.root / "paired")[1])
+        if tier is CheckpointTier.GLOBAL and not peers_first:
+            _paired_async_peers(b, out, reverse=False)
         base = statistics.median(b.step() for _ in range(2))
         b.objs.train_state.step += 1
         mgr.save(tier, b.objs)
@@ -170,6 +175,17 @@ def measure_async(b: Bench, mgr, tier, reps: int, max_steps: int) -> dict[str, l
         out["steps"].append(len(steps))
         out["base"].append(base)
     return out
+
+
+def _paired_async_peers(b: Bench, out: dict, *, reverse: bool) -> None:
+    """dcp.async_save then dcp.save on the same tensors (dcp.save first when ``reverse``), into ``out``."""
+    for name in (("dcp.save", "dcp.async_save") if reverse else ("dcp.async_save", "dcp.save")):
+        blocking, durable, _ = peer_rep(b, name, b.root / "paired")
+        if name == "dcp.save":
+            out.setdefault("paired dcp.save", []).append(durable)
+        else:
+            out.setdefault("paired dcp.async_save blocking", []).append(blocking)
+            out.setdefault("paired dcp.async_save durable", []).append(durable)
 
 
 def saved_bytes(b: Bench, mgr, tier) -> int:
@@ -259,7 +275,7 @@ def peer_rep(b: Bench, name: str, d: Path) -> tuple[float, float, int]:
           "dcp.save": lambda: dcp.save(b.dcp_sd, storage_writer=FileSystemWriter(str(d)), process_group=b.peer_pg),
           "dcp.async_save": lambda: dcp.async_save(b.dcp_sd, storage_writer=FileSystemWriter(str(d)),
                                                    process_group=b.peer_pg)}[name]
-    dist.barrier()
+    settle()
     t0 = time.perf_counter()
     fut = fn()
     blocking = max_over_ranks(time.perf_counter() - t0)

@@ -165,6 +165,15 @@ def sum_over_ranks(x: int) -> int:
     return int(t.item())
 
 
+def settle() -> None:
+    """Collective: every rank flushes the page cache to the disk (``os.sync``) before a timed save, so
+    each save, ours and the peers' alike, starts from the same disk state: nothing dirty and no
+    earlier repetition's deletion still to commit (on ext4 a deleted GiB is journal work done
+    lazily, which the next writer paid for, whichever saver it was). Not timed."""
+    os.sync()
+    dist.barrier()
+
+
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
     """Seconds of ``fn`` on the slowest rank, all ranks starting together."""
     dist.barrier()
