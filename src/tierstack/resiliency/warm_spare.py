@@ -27,6 +27,9 @@ _WARM_MODULES = (  # what set-up and the first step import on their way (a spare
     "tierstack.checkpointing", "tierstack.checkpointing.local_tier", "tierstack.checkpointing.global_tier",
     "tierstack.data.datasets", "tierstack.data.samplers", "tierstack.data.tokenizers", "tierstack.models.gpt",
     "tierstack.observability.run_loggers", "tierstack.observability.console", "tierstack.observability.history",
+    # the loss curve's plotting modules: imported here, an import is never cut in half by NVRx's
+    # interruption of an attempt (a half-imported matplotlib failed every later plot of the job)
+    "tierstack.observability.plots", "matplotlib.backends.backend_agg", "matplotlib.figure",
     "tierstack.resiliency.restarts", "tierstack.hf.pretrained", "tierstack.training.optim",
     "tierstack.training.forward", "tierstack.training.setup", "tierstack.training.train",
 )

@@ -75,7 +75,8 @@ def run_reporters(s):
     Yields ``(progress, history)`` for :func:`tierstack.training.train.train`. On rank 0 only:
     ``<run_dir>/metrics.jsonl`` (continued across resumes) and ``<run_dir>/loss_curve.png``
     (train and validation loss, checkpoint and resume steps marked; ``logger.loss_curve``), also
-    logged to mlflow; not after an error that torchrun restarts the ranks for (the next start draws it).
+    logged to mlflow; not after an error that torchrun restarts the ranks for, nor after a failed attempt
+    of an in-process restart (the next start or attempt draws it).
     """
     from tierstack.observability.console import ProgressLogger
     from tierstack.observability.history import MetricsHistory
@@ -110,11 +111,14 @@ def run_reporters(s):
         s.checkpoint_manager.close(error)
         if rank == 0 and cfg.logger.loss_curve:
             # A start that failed and that torchrun restarts leaves the image to the next start
-            # (the plot took 0.5 s here, and torchrun waits for every rank before it restarts).
+            # (the plot took 0.5 s here, and torchrun waits for every rank before it restarts), and
+            # so does a failed attempt of an in-process restart: the next attempt draws it, and the
+            # plot would sit on the restart's path, where NVRx may interrupt it half done.
             from tierstack.resiliency.restarts import launcher_restarts_left
 
+            restarts_follow = cfg.resiliency.in_process or launcher_restarts_left()
             _write_loss_curve(s, history, run_dir, quiet=error is not None,
-                              plot=error is None or not launcher_restarts_left())
+                              plot=error is None or not restarts_follow)
 
 
 def _write_loss_curve(s, history, run_dir: Path, quiet: bool = False, plot: bool = True) -> None:
