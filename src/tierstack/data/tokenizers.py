@@ -108,7 +108,8 @@ class HuggingFaceTokenizer:
     Raises:
         ImportError: ``tokenizers`` is not installed (names ``pip install tokenizers``).
         FileNotFoundError: no tokenizer.json at ``path`` (names tokenizer.tokenizer_path).
-        ValueError: no end-of-document token found (names tokenizer.tokenizer_path).
+        ConfigError: no end-of-document token found (names tokenizer.tokenizer_path; a ValueError
+            and a BadInputError, so a launch refuses it in one line with exit status 2).
         BadInputError: the file is not a readable tokenizer.json (damaged, cut short; names it).
     """
 
@@ -130,11 +131,13 @@ class HuggingFaceTokenizer:
         candidates = (eod_token,) if eod_token is not None else COMMON_EOD_TOKENS
         found = [(t, self._tok.token_to_id(t)) for t in candidates]
         found = [(t, i) for t, i in found if i is not None]
-        if not found:
-            raise ValueError(
+        if not found:  # bad input, refused in one line like a damaged file (ConfigError is a ValueError)
+            from tierstack.config.base import ConfigError
+
+            raise ConfigError([
                 f"tokenizer.tokenizer_path={str(path)!r}: none of the end-of-document tokens "
                 f"{list(candidates)} is in the vocabulary; use a tokenizer that has one"
-            )
+            ])
         self.eod_token, self._eod = found[0]
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # The file hash makes cached dataset indices follow the tokenizer's content, not its path.

@@ -61,8 +61,10 @@ def test_huggingface_tokenizer(tmp_path):
 
 
 def test_huggingface_without_end_token_names_the_field(tmp_path):
+    from tierstack.errors import BadInputError
+
     _write_word_level(tmp_path / "tokenizer.json", [])
-    with pytest.raises(ValueError, match="tokenizer.tokenizer_path"):
+    with pytest.raises(BadInputError, match="tokenizer.tokenizer_path"):  # refused like bad input: one line, exit 2
         HuggingFaceTokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(FileNotFoundError, match="tokenizer.tokenizer_path"):
         HuggingFaceTokenizer(tmp_path / "missing.json")
