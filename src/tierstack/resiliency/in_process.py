@@ -225,6 +225,9 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             log.warning("rank %s: discarded by the in-process restart (its place was given to a spare)",
                         os.environ.get("RANK"))
             return rank_slot.DISCARDED
+        except RestartLimitReached as e:  # the job ends: one line, not a traceback; the launcher's restart follows
+            log.error("rank %s stops: %s", os.environ.get("RANK"), e)
+            return 1
         finally:
             liveness.close()
     rank_slot.mark_done(job)

@@ -104,6 +104,8 @@ def test_without_a_spare_the_launchers_restart_takes_over(tmp_path, uninterrupte
     proc, log, records = _launch(out, "kill", spares=0, launcher_args=["--max-restarts", "1"])
     assert proc.returncode == 0, log[-6000:]
     assert "1 rank(s) left of 2 (resiliency.spare_ranks=0 used up)" in log
+    assert "stops: in-process restart 1: 1 rank(s) left of 2" in log  # one line per rank, no traceback
+    assert "tierstack.resiliency.in_process.RestartLimitReached:" not in log, log[-6000:]
     assert json.loads((out / "run" / "restarts.json").read_text())["restarts"] == 1
     assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=30 resumed_from=[10]" in log
     for rank in (0, 1):
