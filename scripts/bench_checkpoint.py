@@ -115,8 +115,8 @@ def measure_global_sync(b: Bench, mgr, reps: int) -> dict[str, list[float]]:
 
     out: dict[str, list[float]] = {"blocking": [], "bytes": [], "paired dcp.save": []}
     for i in range(reps):
-        # the peer at once, on the same state and page cache: a ratio per pair, free of drift; the
-        # order alternates so that neither side always follows the other's deletions and writeback
+        # the peer at once, on the same state and page cache, the order reversed every other
+        # repetition: two repetitions make one ABBA block of paired_report
         if i % 2:
             out["paired dcp.save"].append(peer_rep(b, "dcp.save", b.root / "paired")[1])
         b.objs.train_state.step += 1
