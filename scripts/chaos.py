@@ -24,8 +24,11 @@ In order:
 A hang is caught by its peer's next collective: ``distributed.timeout_s`` and
 ``checkpoint.collective_timeout_s`` are :data:`HANG_TIMEOUT_S` here (the defaults, 600 and 120 s,
 would keep a hung job waiting that long); torchrun's agent then stops the stopped rank with SIGTERM
-and, as it cannot act on it, SIGKILLs it after torchrun's fixed 30 s shutdown wait. That makes a
-hang the costliest fault, so soaks shorter than :data:`HANG_MIN_MINUTES` leave it out.
+and, as it cannot act on it, SIGKILLs it after torchrun's fixed 30 s shutdown wait. (Fixed: torch
+2.13's ``LocalElasticAgent._stop_workers``, which a restart calls, runs ``_shutdown()`` with its
+default of 30 s; ``--shutdown-timeout`` / ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` set only the wait of
+the agent's own stop on a signal. Tried in a 10-minute soak: the hang still cost 54 s.) That makes
+a hang the costliest fault, so soaks shorter than :data:`HANG_MIN_MINUTES` leave it out.
 
 Exit status 0 when every fault was handled and every check passed; 1 otherwise. A JSON summary
 goes to ``<work-dir>/chaos_summary.json``.
