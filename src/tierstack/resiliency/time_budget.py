@@ -3,8 +3,9 @@
 The job starts when its launcher does: under torchrun the rank's agent (its parent process), which
 outlives restarts of the ranks, so a restarted rank keeps the budget of the job it belongs to;
 otherwise this process. Before each step the loop asks :meth:`TimeBudget.would_pass` whether the
-next step and the final GLOBAL save would pass the budget; if so on any rank, every rank saves and
-stops (a planned exit, status 0).
+next step, the final GLOBAL save and the close after it would pass the budget
+(``training.train.final_save_estimate_s``, ``EXIT_RESERVE_S``); if so on any rank, every rank
+saves and stops (a planned exit, status 0).
 """
 
 from __future__ import annotations

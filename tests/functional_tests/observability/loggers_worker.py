@@ -33,6 +33,10 @@ def main() -> None:
 
     state = pretrain(config, gpt_forward_step, on_step=on_step)
     if rank == 0:
+        from tierstack.resiliency.time_budget import job_start_time
+
+        # the job's start as train.exit_duration_in_mins counts it (torchrun's agent), unix seconds
+        print(f"JOB_START {job_start_time():.3f}")
         print(f"FINAL step={state.step} resumed_from={state.resumed_from}")
 
 

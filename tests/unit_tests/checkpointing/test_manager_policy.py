@@ -355,3 +355,24 @@ def test_an_error_every_rank_raised_alike_closes_together(error):
     run_steps(manager, objs, 1)
     manager.close(error=error)
     assert [e for e in journal if e[0] in ("close", "close_alone")] == [("close", "local"), ("close", "global")]
+
+
+def test_the_time_budget_reserves_the_final_tiers_save_until_durable():
+    """``train.exit_duration_in_mins`` stops when the next step and the final save would pass the
+    budget; the final save goes to GLOBAL and is waited for until durable, so what is reserved is
+    GLOBAL's time to durable (with a margin), not a LOCAL save's nor an async save's blocked time."""
+    from tierstack.training.train import FINAL_SAVE_MARGIN, final_save_estimate_s
+
+    journal: list = []
+    manager, objs, local, global_ = make(journal, local={"interval": 1}, global_={"interval": 10})
+    assert final_save_estimate_s(manager) == 0.0  # nothing saved yet: nothing known
+    run_steps(manager, objs, 3)
+    local.last_durable_s, local.last_blocked_s = 0.01, 0.005  # LOCAL saves only: not the final tier's
+    assert manager.final_tier() is CheckpointTier.GLOBAL
+    assert final_save_estimate_s(manager) == 0.0
+    global_.last_durable_s, global_.last_blocked_s = 2.0, 0.1  # an async GLOBAL save: durable after 2 s
+    run_steps(manager, objs, 8)  # step 10 saves GLOBAL, step 11 LOCAL: the last save is a LOCAL one
+    assert saves(journal)[-1] == ("local", 11)
+    assert final_save_estimate_s(manager) == pytest.approx(FINAL_SAVE_MARGIN * 2.0)
+    global_.last_durable_s, global_.last_blocked_s = None, 3.0  # a sync save: what it blocked
+    assert final_save_estimate_s(manager) == pytest.approx(FINAL_SAVE_MARGIN * 3.0)
