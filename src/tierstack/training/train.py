@@ -212,10 +212,10 @@ EXIT_RESERVE_S = 2.0
 
 
 def final_save_estimate_s(manager) -> float:
-    """Seconds the planned exit's final save is expected to take until it is durable: the last save
-    of the tier it goes to (``CheckpointManager.final_tier``, GLOBAL when configured), the longer of
-    its time to durable and its blocked time, times :data:`FINAL_SAVE_MARGIN`. Before that tier has
-    finalized a save, the blocked time of the last published GLOBAL save (0.0 before any).
+    """Seconds the planned exit's final save is expected to take until it is durable: the last
+    finalized save of the tier it goes to (``CheckpointManager.final_tier``, GLOBAL when
+    configured), from its start to its sealed/published agreement (which covers the time it
+    blocked), times :data:`FINAL_SAVE_MARGIN`; 0.0 before that tier has finalized a save.
 
     Not the blocked time alone, as before: an async save blocks the loop for a fraction of a second
     and is durable seconds later, and the final save is waited for until it is durable; and with no
@@ -224,11 +224,8 @@ def final_save_estimate_s(manager) -> float:
     start).
     """
     tier = manager.final_tier()
-    known = [] if tier is None else [x for x in (manager.last_durable_s(tier), manager.last_blocked_s(tier))
-                                     if x is not None]
-    if known:
-        return FINAL_SAVE_MARGIN * max(known)
-    return manager.events[-1].seconds if manager.events else 0.0
+    durable = None if tier is None else manager.last_durable_s(tier)
+    return 0.0 if durable is None else FINAL_SAVE_MARGIN * durable
 
 
 def _checkpoint_metrics(s: SetupOutput) -> dict:

@@ -33,8 +33,9 @@ def test_the_time_budget_ends_the_run_with_a_published_global_checkpoint(tmp_pat
     # The run reserves the close after its save (training.train.EXIT_RESERVE_S); before it did, a
     # suite under load saw the save published 0.06 s after 75 s counted from the test's start.
     job_start = float(re.search(r"JOB_START (\d+\.\d+)", log).group(1))
-    assert started - 1 <= job_start <= started + 60, (started, job_start)
+    assert started - 1 <= job_start <= started + 10, (started, job_start)
     deadline = job_start + BUDGET_MIN * 60
     assert published.stat().st_mtime < deadline, (published.stat().st_mtime - deadline, "s after the deadline")
-    print(f"launch delay {job_start - started:.2f} s, published {deadline - published.stat().st_mtime:.2f} s before the deadline")
+    # and, as before, before the budget counted from the test's own start (earlier than the job's)
+    assert published.stat().st_mtime - started < BUDGET_MIN * 60, published.stat().st_mtime - started
     assert "FINAL step=" + str(step) in log

@@ -374,5 +374,5 @@ def test_the_time_budget_reserves_the_final_tiers_save_until_durable():
     run_steps(manager, objs, 8)  # step 10 saves GLOBAL, step 11 LOCAL: the last save is a LOCAL one
     assert saves(journal)[-1] == ("local", 11)
     assert final_save_estimate_s(manager) == pytest.approx(FINAL_SAVE_MARGIN * 2.0)
-    global_.last_durable_s, global_.last_blocked_s = None, 3.0  # a sync save: what it blocked
+    global_.last_durable_s, global_.last_blocked_s = 3.0, 3.0  # a sync save: durable when it returns
     assert final_save_estimate_s(manager) == pytest.approx(FINAL_SAVE_MARGIN * 3.0)
