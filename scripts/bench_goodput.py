@@ -4,7 +4,7 @@ Usage::
 
     .venv/bin/python scripts/bench_goodput.py [--iterations auto] [--fault-every-s auto] [--fault-factor 4]
         [--global-every auto] [--faults 3] [--seed 0] [--configs none,global,local_global,replicated,auto] [--timeout-factor 3]
-        [--work-dir DIR] [--local-root auto] [--inprocess-local-every 5]
+        [--work-dir DIR] [--local-root auto] [--inprocess-local-every 5] [--inprocess-memory-every 1]
     .venv/bin/python scripts/bench_goodput.py --chaos MINUTES [--seed N]   (the chaos soak: scripts/chaos.py)
 
 First a calibration launch (``local_global``, two SIGKILLs, each after a sealed LOCAL save) measures
@@ -92,7 +92,8 @@ class Row:
 IN_PROCESS = ["resiliency.restart=in-process", "resiliency.heartbeat_timeout_s=3"]
 
 
-def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOCAL_EVERY) -> dict[str, Row]:
+def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOCAL_EVERY,
+            inprocess_memory_every: int = 1) -> dict[str, Row]:
     """The rows, GLOBAL every ``global_every`` iterations where they save. ``none`` keeps nothing,
     so a restart there starts over (``allow_fresh_start_on_invalid``: the node-local run file of the
     first start is not a checkpoint to refuse a fresh start for). A new way of restarting is one
@@ -110,11 +111,17 @@ def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOC
     ``inprocess_local_every`` is their LOCAL interval (``--inprocess-local-every``; the other rows'
     by default, so that the rows differ in the restart only): at 1 every failure loses at most the
     step in flight, and every step pays a LOCAL save (README, "In-process restart").
+    ``inprocess_memory_every``: their memory-step interval (``checkpoint.memory_save_interval``,
+    ``--inprocess-memory-every``; 0: none): a step staged into host memory with no file, which a
+    rank that raised resumes with its healthy peers (at most the step in flight lost); a replaced
+    rank holds none, so a kill still resumes the last file step.
     """
     g = f"checkpoint.save_interval={global_every}"
     local = [g, f"checkpoint.local_save_interval={LOCAL_EVERY}"]
     replicated = [*local, "checkpoint.replication_factor=2"]
     inproc = [g, f"checkpoint.local_save_interval={inprocess_local_every}"]
+    if inprocess_memory_every:
+        inproc.append(f"checkpoint.memory_save_interval={inprocess_memory_every}")
     return {
         "none": Row(["checkpoint.allow_fresh_start_on_invalid=true"]),
         "global": Row([g]),
@@ -289,6 +296,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inprocess-local-every", type=int, default=LOCAL_EVERY,
                    help="LOCAL interval (iterations) of the in-process rows (default: the other rows')")
+    p.add_argument("--inprocess-memory-every", type=int, default=1,
+                   help="memory-step interval (iterations, checkpoint.memory_save_interval) of the in-process "
+                        "rows; 0: none")
     p.add_argument("--configs", default=",".join(NAMES))
     p.add_argument("--timeout-factor", type=float, default=3.0)
     p.add_argument("--work-dir", default=None)
@@ -364,7 +374,7 @@ def main() -> None:
     head = (f"{'configuration':<14}{'rc':>4}{'wall s':>9}{'goodput':>9}{'failures':>9}{'lost/fail':>10}{'fail->step s':>13}"
             + "".join(f"{k:>{max(7, len(k) + 1)}}" for k in PARTS) + "  resumed from")
     print(head + "\n" + "-" * len(head))
-    rows = configs(global_every, args.faults, args.inprocess_local_every)
+    rows = configs(global_every, args.faults, args.inprocess_local_every, args.inprocess_memory_every)
     for name in names:
         _print_row(name, _run(name, rows[name], args, work, faults=True), reference["wall"])
     print("fail->step s = detect (launchers notice, stop the other ranks, meet again) + process (new interpreter "

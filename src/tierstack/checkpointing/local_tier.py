@@ -8,7 +8,7 @@ TrainState, scheduler and per-rank RNG ride in the same file; a manifest beside 
 A save (see DESIGN.md, "Asynchronous LOCAL"): the blocking part builds the state dict, pops its
 tensors, copies them into the tier's reused staging buffers (:mod:`staging`) and encodes the header;
 the writer thread then writes ``.dirty``, fsyncs, renames and writes this rank's manifest
-(:mod:`local_file`, CRC-32C of the bytes as they are written). :meth:`LocalTier.finalize`, called
+(:mod:`local_files`, :mod:`local_file`: CRC-32C of the bytes as they are written). :meth:`LocalTier.finalize`, called
 by the loop, agrees across ranks that every rank sealed the step (a step missing on one rank is
 never a resume candidate), then applies retention. At most one save is in flight.
 
@@ -16,7 +16,8 @@ Kept from NVRx: the ``TensorAwareStateDict`` protocol (``pop_tensors`` / ``inser
 ``to_state_dict`` with the fully-parallel exchange) and the file layout. Not kept:
 ``LocalCheckpointManager.save`` clones every tensor at each save (no reused buffers), writes with
 ``torch.save`` without fsync, forks a writer per save on CPU; its ``load`` reads a file twice.
-Under in-process restart the newest sealed step is also kept in memory (:mod:`local_memory`).
+Under in-process restart the newest sealed step is also kept in memory, and with
+``checkpoint.memory_save_interval`` memory steps are staged between the files (:mod:`local_memory`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from tierstack.checkpointing import compat, errors, local_exchange, local_file, local_memory, local_replicas, manifest
+from tierstack.checkpointing import compat, local_exchange, local_file, local_memory, local_replicas, manifest
 from tierstack.checkpointing import model_settings, paths, retention, retry, rewind
 from tierstack.checkpointing import state as ckpt_state
+from tierstack.checkpointing.local_files import LocalFiles
 from tierstack.checkpointing.staging import StagedTier
 from tierstack.checkpointing.types import Candidate, CheckpointTier, TrainingObjects
 from tierstack.config import CheckpointConfig
 from tierstack.runtime import ParallelLayout
+from tierstack.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class _InFlight:
     timed_out: Optional[BaseException] = None  # set by StagedTier._take_ended after the write timeout
 
 
-class LocalTier(StagedTier):
+class LocalTier(LocalFiles, StagedTier):
     """The LOCAL tier (see the module docstring); implements :class:`CheckpointTierHandler`.
 
     Args:
@@ -110,17 +113,13 @@ class LocalTier(StagedTier):
     def saved_steps(self) -> list[int]:
         return list(self.sealed)
 
-    @property
-    def rank_dir(self) -> Path:
-        return self.root / str(self.layout.rank)
-
-    def _paths(self, step: int) -> tuple[Path, Path]:
-        r = self.layout.rank
-        return self.rank_dir / paths.local_file_name(step, r), self.rank_dir / paths.local_manifest_name(step, r)
-
     # ------------------------------------------------------------------ save
-    def save(self, objs: TrainingObjects, *, run_id: str) -> Optional[float]:
+    def save(self, objs: TrainingObjects, *, run_id: str, in_memory: bool = False) -> Optional[float]:
         """Collective: stage ``objs`` and hand the write to the writer thread.
+
+        ``in_memory``: a memory step (:mod:`local_memory`): staged like a file save, checked for
+        NaN/inf and agreed here, then kept in host memory only; it neither waits for nor finalizes
+        a file save in flight (it stages into a set the writer does not read).
 
         Returns the seconds the caller was blocked (waiting for the previous save included), or
         None when staging failed on some rank (nothing was handed off).
@@ -128,7 +127,8 @@ class LocalTier(StagedTier):
         if self.root is None:
             return None
         t0 = time.perf_counter()
-        self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
+        if not in_memory:
+            self.finalize(blocking=True)  # one save in flight per tier; reports the previous one's end
         step = objs.train_state.step
         captured = dict(objs.train_state.state_dict())
         try:
@@ -141,6 +141,11 @@ class LocalTier(StagedTier):
                  "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
                  **model_settings.model_settings(objs.model),
                  **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
+        if in_memory:  # its manifest stays in memory with it
+            self._seal_in_memory(step, run_id, staged["buffers"], manifest.build_manifest(
+                tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
+                train_state=captured, files={}, rank=self.layout.rank, in_memory=True, **extra))
+            return time.perf_counter() - t0
         then = None if self._replication is None else self._replication.writer_step(step)
         job = self._submit_checked(f"LOCAL checkpoint of step {step}", self._write_and_seal, step, run_id,
                                    captured, staged["header"], staged["buffers"], extra, then=then)
@@ -161,71 +166,6 @@ class LocalTier(StagedTier):
         header = local_file.encode_header(tasd, buffers)
         local_memory.note_staged(self._stager, objs.train_state.step, header)
         return {"header": header, "buffers": buffers}
-
-    def _write_and_seal(self, step: int, run_id: str, train_state: dict, header: bytes, buffers: list,
-                        extra: dict) -> int:
-        """Writer thread: write this rank's file and manifest; transient I/O errors retried here."""
-        c = self.cfg
-        ckpt, man_path = self._paths(step)
-        self.rank_dir.mkdir(parents=True, exist_ok=True)
-        # (the retention thread may still delete sealed or quarantined files here: never the same files)
-        try:  # nothing of this tier is in flight: what an interrupted save left is not a checkpoint
-            paths.remove_leftovers(self.rank_dir, run_id)
-        except OSError as e:  # listing the folder failed: the write below reports what is wrong
-            log.warning("LOCAL leftovers in %s not cleaned: %s", self.rank_dir, e)
-        for old in sorted(self._abandoned - {step}):  # this rank's part of an interrupted save
-            log.info("removing rank %d's LOCAL files of step %d, left by an interrupted save", self.layout.rank, old)
-            self._remove_step(old, run_id)
-        self._abandoned.clear()
-        theirs = self._owner(step)
-        if theirs not in (None, run_id):  # another run's checkpoint is never replaced or deleted
-            raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
-                                  "not replaced: use another checkpoint.local_dir")
-        for n in range(1, max(1, c.save_retries) + 1):
-            try:  # a failed removal of the last attempt's files is this attempt's failure, classified alike
-                self._remove_step(step, run_id)
-                entry = local_file.write(ckpt, header, buffers)
-                man = manifest.build_manifest(
-                    tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
-                    train_state=train_state, files={ckpt.name: entry}, rank=self.layout.rank, **extra)
-                manifest.write_manifest(man_path, man)
-                if n > 1:
-                    log.warning("LOCAL write of step %d on rank %d: attempt %d succeeded", step, self.layout.rank, n)
-                return int(entry["size"])
-            except Exception as e:  # noqa: BLE001 - classified: transient ones are retried
-                if n >= c.save_retries or errors.classify(e) != errors.TRANSIENT:
-                    self._discard_step(step, run_id)
-                    raise
-                log.warning("LOCAL write of step %d on rank %d, attempt %d failed (%s); retrying",
-                            step, self.layout.rank, n, errors.describe(e))
-                time.sleep(c.retry_backoff_s * 2 ** (n - 1))
-        raise AssertionError("unreachable")
-
-    def _owner(self, step: int) -> Optional[str]:
-        """The run id in this rank's manifest of ``step``; None when there is no manifest."""
-        man = paths.read_json(self._paths(step)[1])
-        return None if man is None else str(man.get("run_id"))
-
-    def _remove_step(self, step: int, run_id: str) -> None:
-        """Remove this rank's files of ``step`` unless a manifest names another run (left alone)."""
-        if self._owner(step) not in (None, run_id):
-            return
-        ckpt, man_path = self._paths(step)
-        for p in (man_path, ckpt, ckpt.with_name(ckpt.name.replace("_local.pt", "_local.dirty.pt"))):
-            p.unlink(missing_ok=True)
-
-    def _discard_step(self, step: int, run_id: str) -> None:
-        """:meth:`_remove_step` after a failed save: an ``OSError`` there (EIO, EROFS, ...) is logged,
-        never raised, so the save's own failure is what every rank agrees on and reports.
-
-        Files left behind are not a checkpoint: the step never sealed on every rank, and the next
-        save of this step or of any step removes them (leftovers of an interrupted save).
-        """
-        try:
-            self._remove_step(step, run_id)
-        except OSError as e:
-            log.error("LOCAL files of failed step %d on rank %d not removed: %s", step, self.layout.rank,
-                      errors.describe(e))
 
     def finalize(self, blocking: bool) -> None:
         """Collective: when the in-flight save has ended on every rank (or ``blocking``), agree on it.
@@ -283,6 +223,29 @@ class LocalTier(StagedTier):
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
                      job.step, where, job.blocked_s, self.last_durable_s)
 
+    def _seal_in_memory(self, step: int, run_id: str, buffers: list, memory_manifest: dict) -> None:
+        """Collective: a memory step just staged is held in memory (no file, no replica) when its
+        state is finite on every rank; otherwise it is the guard's verdict (``nonfinite``, applied
+        by the manager as for a file save) and the step held before stays."""
+        from tierstack.checkpointing.nonfinite_guard import NonFiniteStateError, check_staged
+
+        try:
+            check_staged(buffers, f"LOCAL memory step {step}")
+            bad = False
+        except NonFiniteStateError as e:
+            log.error("%s", e)
+            bad = True
+        ranks = collectives.ranks_where(bad)
+        if ranks:
+            self.nonfinite.append((step, ranks))
+        elif step not in self._vetoed:
+            local_memory.note_sealed(self._stager, step=step, run_id=run_id, rank=self.layout.rank,
+                                     root=self.root, topology=self.layout.topology(), manifest=memory_manifest)
+
+    def veto(self, step: int) -> None:
+        super().veto(step)
+        local_memory.forget_newer(step - 1)  # a held memory step of ``step`` (or newer) is not resumed
+
     def _unseal(self, step: int) -> None:
         """This rank's sealed files of ``step`` (and the replicas it holds of it) are removed: the
         guard blocked the step (:meth:`veto`)."""
@@ -305,9 +268,11 @@ class LocalTier(StagedTier):
             self._verified, self._replication.store.verified = self._replication.store.verified, {}
 
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
+        held = None if self.root is None else local_memory.memory_candidate(
+            run_id, self.layout.rank, self.root, self.layout.topology(), self.rank_dir)
+        out = [] if held is None else [held]  # a memory step this process holds (it has no file)
         if self.root is None or not self.rank_dir.is_dir():
-            return []
-        out = []
+            return out
         for p in self.rank_dir.iterdir():
             parsed = paths.parse_local_file(p.name)
             if parsed is None or parsed[1] != self.layout.rank:
@@ -365,12 +330,14 @@ class LocalTier(StagedTier):
         """This rank's newer files and the replicas it keeps of them (:func:`rewind.move_aside_local`)."""
         if self.root is None:
             return None
+        local_memory.forget_newer(step)
         return rewind.move_aside_local(self.rank_dir, self.candidates(run_id), step, run_id,
                                        self._replication)
 
     def load(self, step: int, objs: TrainingObjects) -> str:
         c = self.cfg
-        man = paths.read_json(self._paths(step)[1]) or {}
+        man = (local_memory.memory_manifest(step, self.layout.rank, self.root, self.layout.topology())
+               or paths.read_json(self._paths(step)[1]) or {})
         optim = c.load_optim and man.get("has_optimizer", True)
         rng = c.load_rng and man.get("has_rng", True)
         if c.load_rng and not man.get("has_rng", True):

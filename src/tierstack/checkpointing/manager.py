@@ -191,6 +191,9 @@ class CheckpointManager:
             if tier in self._planners:  # every rank measures its own times: rank 0's estimate is used
                 planner = self._planners[tier]
                 planner.adopt(_dist.broadcast_object(planner.record_save(step, blocked)), _dist.rank() == 0)
+        memory = self.cfg.memory_save_interval
+        if memory and step > 0 and step % memory == 0 and CheckpointTier.LOCAL not in due:
+            self._save_in_memory(objs)
         self._last_step_end = time.perf_counter()
 
     def _due(self, tier: CheckpointTier, handler: CheckpointTierHandler, step: int) -> bool:
@@ -241,6 +244,20 @@ class CheckpointManager:
         self._last_saved[tier] = step
         self._raise_if_failed()
         return None if blocked is None else time.perf_counter() - t0
+
+    def _save_in_memory(self, objs: TrainingObjects) -> None:
+        """A LOCAL memory step (``checkpoint.memory_save_interval``, :mod:`~tierstack.checkpointing.local_memory`):
+        a checkpoint boundary for the non-finite guard like any save; staged and checked like a LOCAL
+        save, then held in host memory only. Skipped while a LOCAL save is still being written."""
+        handler, step = self._tiers.get(CheckpointTier.LOCAL), objs.train_state.step
+        if self._closed or handler is None or not handler.saves:
+            return
+        if not self.guard.check(step).ok:
+            if not self.blocked_steps or self.blocked_steps[-1] != step:
+                self.blocked_steps.append(step)
+            return
+        handler.save(objs, run_id=objs.train_state.run_id, in_memory=True)
+        self._raise_if_failed()
 
     def _save_with_records(self, handler: CheckpointTierHandler, objs: TrainingObjects) -> Optional[float]:
         """Save with the best records committed into the TrainState this save captures. The live

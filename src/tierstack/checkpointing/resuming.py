@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from tierstack.checkpointing import best, compat, paths, rewind, selection
+from tierstack.checkpointing import best, compat, local_memory, paths, rewind, selection
 from tierstack.checkpointing import family as run_family
 from tierstack.checkpointing.global_reader import GlobalReader
 from tierstack.checkpointing.types import CheckpointTierHandler, ResumeInfo, TrainingObjects
@@ -42,6 +42,7 @@ def resume(cfg: CheckpointConfig, layout: ParallelLayout, handlers: Sequence[Che
         return _fresh_start(cfg, layout, handlers, objs, chosen, family, run_config, pretrained_source)
     if ckpt_step is not None:  # a rewind: the abandoned timeline must not win the next launch
         rewind.move_aside_newer(handlers, family, chosen.step)
+    local_memory.forget_newer(chosen.step)  # a step held in memory past it belongs to the timeline left
     tier = chosen.handler.tier.value.upper()
     compat.check(chosen.manifest, run_config, f"{tier} step {chosen.step} ({chosen.handler.run_root})")
     path = chosen.handler.load(chosen.step, objs)
@@ -110,6 +111,7 @@ def _fresh_start(cfg: CheckpointConfig, layout: ParallelLayout, handlers: Sequen
                  objs: TrainingObjects, chosen: selection.Selection, family: Optional[str],
                  run_config: Mapping[str, Any], pretrained_source: Optional[Callable[[Path], Path]]) -> None:
     same_run = run_family.check_fresh_start(cfg, chosen, list(handlers), family)
+    local_memory.forget()  # nothing held in this process is part of the new start
     run_id = family if same_run and family else _dist.broadcast_object(uuid.uuid4().hex[:12])
     objs.train_state.run_id = run_id
     if cfg.pretrained_checkpoint:  # before the claim: a refused start leaves no run.json behind

@@ -227,6 +227,9 @@ class ConfigContainer:
             p += self.logger.path_problems()
         if self.profile.enabled and any(r >= world_size for r in self.profile.ranks if isinstance(r, int)):
             p.append(f"profile.ranks={self.profile.ranks}: each rank must be < the world size {world_size}")
+        if c is not None and c.memory_save_interval is not None and not self.resiliency.in_process:
+            p.append(f"checkpoint.memory_save_interval={c.memory_save_interval} needs resiliency.restart=in-process "
+                     "(a memory step lives in its process: only an in-process restart can resume from it)")
         if c is not None and c.save_on_best and not (t.eval_interval and t.eval_iters >= 1):
             p.append("checkpoint.save_on_best needs validation: set train.eval_interval (and train.eval_iters >= 1)")
         if p:

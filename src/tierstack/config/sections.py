@@ -195,6 +195,9 @@ class CheckpointConfig(_Section):
     # LOCAL checkpoint root: node-local disk, or a tmpfs such as /dev/shm/<run> (README says when); None = no LOCAL tier
     local_dir: Optional[str] = None
     local_save_interval: Optional[Union[int, str]] = None  # iterations between LOCAL saves, or "auto"
+    # iterations between LOCAL memory steps: staged into host memory like a LOCAL save, no file;
+    # under resiliency.restart=in-process the healthy ranks resume from the newest (null = none)
+    memory_save_interval: Optional[int] = None
     mtbf_s: Optional[float] = None  # mean time between unplanned failures of the whole job, seconds (for "auto")
     most_recent_k: int = 2  # checkpoints kept per tier; -1 keeps all
     async_save: bool = False  # GLOBAL saves in a background writer (LOCAL saves always are)
@@ -265,6 +268,9 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.local_save_interval must be >= 1, auto or null")
         if self.local_save_interval is not None and self.local_dir is None:
             p.append("checkpoint.local_save_interval is set but checkpoint.local_dir is not")
+        if self.memory_save_interval is not None and (self.memory_save_interval < 1 or self.local_dir is None):
+            p.append(f"checkpoint.memory_save_interval={self.memory_save_interval}: must be >= 1 iterations, "
+                     "or null, and needs checkpoint.local_dir (memory steps belong to the LOCAL tier)")
         if self.most_recent_k == 0 or self.most_recent_k < -1:
             p.append("checkpoint.most_recent_k must be >= 1, or -1 to keep all")
         if self.ckpt_step is not None and self.ckpt_step < 0:

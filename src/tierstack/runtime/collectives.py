@@ -81,6 +81,14 @@ def all_reduce_max_table(table: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
+def ranks_where(flag: bool) -> list[int]:
+    """The ranks on which ``flag`` holds, the same list on every rank (one all-reduce of
+    world-size integers; a sync point)."""
+    flags = torch.zeros(world_size(), 1, dtype=torch.int64)
+    flags[rank()] = int(bool(flag))
+    return [r for r, (f,) in enumerate(all_reduce_max_table(flags).tolist()) if f]
+
+
 def any_true(flag: bool) -> bool:
     """True on every rank when ``flag`` holds on any rank (a sync point)."""
     return all_reduce_max(1 if flag else 0) == 1

@@ -3,7 +3,10 @@
 every 5. After step 12 one rank raises, is SIGKILLed, or is SIGSTOPped: the healthy ranks keep their
 processes, resume step 10 from host memory, a dead (or hung, then killed) rank is replaced by the
 spare, and the job ends with the losses of an uninterrupted run, bit for bit. Without a spare,
-``torchrun --max-restarts`` takes over (the outer layer).
+``torchrun --max-restarts`` takes over (the outer layer). With a memory step every iteration
+(``checkpoint.memory_save_interval=1``) a rank that raises costs only the step in flight (resumed
+from 11, in memory); a killed one still costs the steps since the file (its spare holds no memory
+step: every rank resumes the file of step 10).
 
 Each scenario prints its fail -> first step time (the fault's unix time to the end of the first
 step after the restart; under ``-s``), the number the README reports.
@@ -20,7 +23,7 @@ WORKER = Path(__file__).with_name("inprocess_worker.py")
 ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks processes
 
 
-def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=()):
+def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=(), extra=()):
     out.mkdir()
     run = out / "run"
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's and the store's per-poll warnings
@@ -29,7 +32,7 @@ def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 
     proc = run_torchrun([WORKER, out, f"logger.run_dir={run}", "train.train_iters=30", "checkpoint.local_save_interval=5",
                          f"checkpoint.save={run}/global", f"checkpoint.local_dir={run}/local",
                          "resiliency.restart=in-process", f"resiliency.heartbeat_timeout_s={heartbeat_s}",
-                         f"resiliency.spare_ranks={spares}", "logger.loss_curve=true"], nproc=ACTIVE + spares, timeout=240, env=env,
+                         f"resiliency.spare_ranks={spares}", "logger.loss_curve=true", *extra], nproc=ACTIVE + spares, timeout=240, env=env,
                         launcher_args=list(launcher_args))
     records = {r: [json.loads(x) for x in (out / f"losses_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
     return proc, proc.stdout + proc.stderr, records
@@ -52,17 +55,21 @@ def _fail_to_first_step_s(out: Path, records: list) -> float:
     return records[again]["t"] - t
 
 
-def _check(tmp_path, uninterrupted, fault: str):
+def _check(tmp_path, uninterrupted, fault: str, resumed: int = 10, in_memory=(0,), extra=()):
+    """``resumed``: the step every rank must resume; ``in_memory``: the ranks that take it from memory."""
     out = tmp_path / fault
-    proc, log, records = _launch(out, fault)
+    proc, log, records = _launch(out, fault, extra=extra)
     assert proc.returncode == 0, log[-6000:]
     assert f"FAULT {fault} on rank 1" in log
     assert "in-process restart 1: rank 0 of 2 continues" in log
-    assert "rank 0: LOCAL step 10 taken from host memory (no file read)" in log
-    assert "resumed from LOCAL checkpoint at iteration 10" in log and "FINAL step=30 resumed_from=[10]" in log
+    for rank in (0, 1):  # every rank's log file (the console has rank 0's INFO lines only)
+        taken = f"rank {rank}: LOCAL step {resumed} taken from host memory (no file read)"
+        assert (taken in (out / "run" / "logs" / f"rank{rank}.log").read_text()) == (rank in in_memory), taken
+    assert f"resumed from LOCAL checkpoint at iteration {resumed}" in log
+    assert f"FINAL step=30 resumed_from=[{resumed}]" in log
     for rank in (0, 1):
         assert [x["step"] for x in records[rank]][:12] == list(range(1, 13))
-        assert [x["step"] for x in records[rank]][-20:] == list(range(11, 31))
+        assert [x["step"] for x in records[rank]][-(30 - resumed):] == list(range(resumed + 1, 31))
         final = {x["step"]: x["loss"] for x in records[rank]}  # the last record of each step
         assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
     assert len({x["pid"] for x in records[0]}) == 1  # the healthy rank kept its process
@@ -77,7 +84,7 @@ def _check(tmp_path, uninterrupted, fault: str):
 
 @pytest.mark.slow
 def test_a_rank_that_raises_restarts_in_its_own_process(tmp_path, uninterrupted):
-    records, _ = _check(tmp_path, uninterrupted, "raise")
+    records, _ = _check(tmp_path, uninterrupted, "raise", in_memory=(0, 1))  # both ranks hold step 10
     assert len({x["pid"] for x in records[1]}) == 1  # the rank that raised is healthy: same process
 
 
@@ -94,6 +101,27 @@ def test_a_stopped_rank_is_killed_after_the_heartbeat_timeout_and_replaced(tmp_p
     pids = [x["pid"] for x in records[1]]
     assert pids[0] != pids[-1]
     assert fail_s > 2.0  # found by the heartbeat timeout (resiliency.heartbeat_timeout_s=2), not before
+
+
+MEMORY_STEPS = ["checkpoint.memory_save_interval=1"]
+
+
+@pytest.mark.slow
+def test_with_memory_steps_a_rank_that_raises_loses_only_the_step_in_flight(tmp_path, uninterrupted):
+    """Step 11 was a memory step, sealed before the fault (the worker waits for the saves in
+    flight): both ranks hold it, so both resume it from memory, with no file of it anywhere."""
+    records, _ = _check(tmp_path, uninterrupted, "raise", resumed=11, in_memory=(0, 1), extra=MEMORY_STEPS)
+    assert len({x["pid"] for x in records[1]}) == 1
+    assert not list((tmp_path / "raise" / "run" / "local").glob("*/iter_0000011_*"))  # never a file
+
+
+@pytest.mark.slow
+def test_with_memory_steps_a_killed_rank_resumes_every_rank_from_the_file_step(tmp_path, uninterrupted):
+    """The spare that takes rank 1 holds no memory step: selection skips step 11 as missing on
+    rank 1, and every rank resumes the file of step 10 (rank 0's held step is 11, so it reads it)."""
+    records, _ = _check(tmp_path, uninterrupted, "kill", resumed=10, in_memory=(), extra=MEMORY_STEPS)
+    pids = [x["pid"] for x in records[1]]
+    assert pids[0] != pids[-1]
 
 
 @pytest.mark.slow

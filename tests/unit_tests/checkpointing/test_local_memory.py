@@ -103,3 +103,73 @@ def test_off_unless_enabled(monkeypatch, tmp_path):
     assert type(stager) is Stager  # one set, as before
     local_memory.note_sealed(stager, step=1, run_id="r", rank=0, root=tmp_path, topology={})
     assert local_memory.held() is None
+
+
+def _memory_step(tier, model, opt, step: int):
+    """What ``LocalTier.save(in_memory=True)`` does after building the state (an empty header:
+    never decoded here): the real Adam state staged, then checked, agreed and held."""
+    from tests.unit_tests.checkpointing.test_nonfinite_guard import adam_state_tensors
+
+    buffers = tier._stager.stage(adam_state_tensors(model, opt))
+    local_memory.note_staged(tier._stager, step, b"")
+    tier._seal_in_memory(step, "runA", buffers, {"step": step, "run_id": "runA"})
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_memory_step_is_held_with_its_manifest_and_no_file_and_never_when_non_finite(tmp_path, memory, finite):
+    """A real LOCAL tier: a memory step becomes the held step and this rank's resume candidate (no
+    file anywhere); a non-finite one is the guard's verdict and is not held; a veto of its step
+    (another tier found NaN/inf in it) drops it."""
+    import math
+
+    from tests.unit_tests.checkpointing.test_nonfinite_guard import LAYOUT, adam_after_one_step
+    from tierstack.checkpointing.local_tier import LocalTier
+    from tierstack.config import CheckpointConfig
+
+    model, opt = adam_after_one_step()
+    if not finite:
+        opt.state[model.weight]["exp_avg"][0, 0] = math.nan
+    tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local")), LAYOUT)
+    try:
+        _memory_step(tier, model, opt, 11)
+        assert tier.sealed == [] and tier.failures == [] and tier.in_flight == 0  # never a file step
+        assert not (tmp_path / "local" / "0").exists()
+        if not finite:
+            assert tier.nonfinite == [(11, [0])] and local_memory.held() is None
+            assert tier.candidates("runA") == []
+            return
+        held = local_memory.held()
+        assert held.step == 11 and held.manifest == {"step": 11, "run_id": "runA"}
+        (cand,) = tier.candidates("runA")
+        assert (cand.step, cand.problem, cand.extra) == (11, None, {"in_memory": True})
+        assert tier.candidates("another-run") == [] and tier.verify(cand) is None  # no file read
+        tier.veto(11)
+        assert local_memory.held() is None and tier.candidates("runA") == []
+    finally:
+        tier.close()
+
+
+def test_a_memory_step_while_a_file_is_written_takes_a_third_set_and_never_waits(tmp_path, memory, gloo_group):
+    """The held step's set and the set the writer reads are never refilled; a memory step staged
+    while the writer runs does not wait for it; the file's step, sealed after a newer memory step,
+    does not replace it."""
+    import threading
+
+    stager = local_memory.stager_for(Stager("LOCAL"))
+    _save(stager, 5, tmp_path)  # held: step 5, set A
+    tasd = _tasd(10)
+    bufs = stager.stage(tasd.pop_tensors())  # the file of step 10: set B
+    local_memory.note_staged(stager, 10, b"h10")
+    release = threading.Event()
+    job = stager.submit(release.wait, 10)  # the writer reads set B until released
+    tasd11 = _tasd(11)
+    memory_bufs = stager.stage(tasd11.pop_tensors())  # returns at once: a third set
+    assert not job.done() and all(a is not b for a in memory_bufs for b in (*bufs, *local_memory.held().buffers))
+    local_memory.note_staged(stager, 11, b"h11")
+    local_memory.note_sealed(stager, step=11, run_id="r", rank=0, root=tmp_path, topology={}, manifest={"m": 1})
+    assert float(bufs[0][0, 0]) == 10.0 and float(memory_bufs[0][0, 0]) == 11.0
+    release.set()
+    job.result()
+    local_memory.note_sealed(stager, step=10, run_id="r", rank=0, root=tmp_path, topology={})
+    assert local_memory.held().step == 11  # the older file step does not replace it
+    stager.close()

@@ -66,3 +66,20 @@ def test_the_refusal_comes_before_any_store_or_fork(monkeypatch):
     with pytest.raises(ConfigError, match="resiliency.heartbeat_timeout_s"):
         in_process.run(_config("resiliency.restart=in-process", "resiliency.spare_ranks=1"), lambda cfg: None)
     assert os.getpid() == pid
+
+
+def test_memory_steps_without_in_process_restart_or_a_local_dir_are_refused_naming_the_field(tmp_path):
+    """A memory step lives in its process: only an in-process restart resumes from it, and it is a
+    step of the LOCAL tier."""
+    local = f"checkpoint.local_dir={tmp_path}"
+    with pytest.raises(ConfigError) as err:
+        _config(local, "checkpoint.memory_save_interval=1").validate(1, check_paths=False)
+    assert len(err.value.problems) == 1
+    assert "checkpoint.memory_save_interval=1 needs resiliency.restart=in-process" in str(err.value)
+    in_process_ok = ["resiliency.restart=in-process", "resiliency.heartbeat_timeout_s=3", "resiliency.spare_ranks=1"]
+    for bad in (["checkpoint.memory_save_interval=1"], [local, "checkpoint.memory_save_interval=0"]):
+        with pytest.raises(ConfigError) as err:
+            in_process.check(_config(*in_process_ok, *bad), 3, environ={})
+        assert len(err.value.problems) == 1
+        assert "checkpoint.memory_save_interval=" in str(err.value) and "needs checkpoint.local_dir" in str(err.value)
+    in_process.check(_config(*in_process_ok, local, "checkpoint.memory_save_interval=1"), 3, environ={})
