@@ -142,7 +142,7 @@ class LocalTier(LocalFiles, StagedTier):
                  **model_settings.model_settings(objs.model),
                  **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
         if in_memory:  # its manifest stays in memory with it
-            self._seal_in_memory(step, run_id, staged["buffers"], manifest.build_manifest(
+            self._seal_in_memory(step, run_id, staged["sources"], manifest.build_manifest(
                 tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
                 train_state=captured, files={}, rank=self.layout.rank, in_memory=True, **extra))
             return time.perf_counter() - t0
@@ -162,10 +162,11 @@ class LocalTier(LocalFiles, StagedTier):
         sd = ckpt_state.build(objs, is_loading=False, optim=c.save_optim, rng=c.save_rng)
         tasd, self._distribution = MCoreTensorAwareStateDict.from_state_dict(
             sd, algo="fully_parallel", cached_metadata=self._distribution)
-        buffers = self._stager.stage(tasd.pop_tensors())
+        sources = tasd.pop_tensors()
+        buffers = self._stager.stage(sources)
         header = local_file.encode_header(tasd, buffers)
         local_memory.note_staged(self._stager, objs.train_state.step, header)
-        return {"header": header, "buffers": buffers}
+        return {"header": header, "buffers": buffers, "sources": sources}
 
     def finalize(self, blocking: bool) -> None:
         """Collective: when the in-flight save has ended on every rank (or ``blocking``), agree on it.
@@ -223,14 +224,16 @@ class LocalTier(LocalFiles, StagedTier):
             log.info("LOCAL checkpoint of step %d sealed on every rank under %s (blocked %.2fs, durable after %.2fs)",
                      job.step, where, job.blocked_s, self.last_durable_s)
 
-    def _seal_in_memory(self, step: int, run_id: str, buffers: list, memory_manifest: dict) -> None:
+    def _seal_in_memory(self, step: int, run_id: str, sources: list, memory_manifest: dict) -> None:
         """Collective: a memory step just staged is held in memory (no file, no replica) when its
         state is finite on every rank; otherwise it is the guard's verdict (``nonfinite``, applied
-        by the manager as for a file save) and the step held before stays."""
+        by the manager as for a file save) and the step held before stays. ``sources``: the live
+        tensors it was staged from, unchanged since (the copy has landed): on a GPU the check
+        runs there, not over the host copy."""
         from tierstack.checkpointing.nonfinite_guard import NonFiniteStateError, check_staged
 
         try:
-            check_staged(buffers, f"LOCAL memory step {step}")
+            check_staged(sources, f"LOCAL memory step {step}")
             bad = False
         except NonFiniteStateError as e:
             log.error("%s", e)

@@ -66,7 +66,8 @@ def tensors_finite(tensors: list[torch.Tensor]) -> bool:
     """True when every tensor is finite: one pass per tensor (its fp32 sum), one check at the end.
 
     Args:
-        tensors: any shapes; floating-point dtypes (the sum of an integer tensor is always finite).
+        tensors: any shapes and devices; floating-point dtypes (the sum of an integer tensor is
+            always finite).
 
     A sum propagates NaN and inf and is as fast as ``amax`` on CPU (one vectorised pass, no
     tensor-sized temporary; ``linalg.vector_norm(ord=inf)`` was ~50x slower there). A finite
@@ -75,6 +76,9 @@ def tensors_finite(tensors: list[torch.Tensor]) -> bool:
     """
     if not tensors:
         return True
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:  # one pass per device (a live state may hold GPU and host tensors)
+        return all(tensors_finite([t for t in tensors if t.device == d]) for d in devices)
     sums = torch.stack([t.detach().sum(dtype=torch.float32) for t in tensors])
     if bool(torch.isfinite(sums).all()):
         return True

@@ -110,9 +110,10 @@ def _memory_step(tier, model, opt, step: int):
     never decoded here): the real Adam state staged, then checked, agreed and held."""
     from tests.unit_tests.checkpointing.test_nonfinite_guard import adam_state_tensors
 
-    buffers = tier._stager.stage(adam_state_tensors(model, opt))
+    live = adam_state_tensors(model, opt)
+    tier._stager.stage(live)
     local_memory.note_staged(tier._stager, step, b"")
-    tier._seal_in_memory(step, "runA", buffers, {"step": step, "run_id": "runA"})
+    tier._seal_in_memory(step, "runA", live, {"step": step, "run_id": "runA"})
 
 
 @pytest.mark.parametrize("finite", [True, False])
