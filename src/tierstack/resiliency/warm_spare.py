@@ -61,7 +61,7 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
     import logging as _logging
     import tempfile
 
-    t0 = time.perf_counter()
+    t0, failed = time.perf_counter(), None
     saved = {k: os.environ.pop(k) for k in _WARM_ENV if k in os.environ}
     _logging.disable(_logging.WARNING)  # a rehearsal: its own lines (a step, a save) are not the run's
     try:
@@ -71,7 +71,7 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
                 f"logger.run_dir={tmp}", "logger.tensorboard_dir=null", "logger.loss_curve=false",
                 "logger.progress_bar=false", "logger.rank_log_dir=null", f"checkpoint.save={tmp}/global",
                 "checkpoint.load=null", f"checkpoint.local_dir={tmp}/local", "checkpoint.pretrained_checkpoint=null",
-                "checkpoint.replication_factor=1",
+                "checkpoint.replication_factor=1", "checkpoint.memory_save_interval=null",  # (in-process only)
                 "distributed.tensor_model_parallel_size=1", "distributed.pipeline_model_parallel_size=1",
                 "train.train_iters=1", "train.eval_interval=null", "train.exit_interval=null",
                 f"train.global_batch_size={config.train.micro_batch_size}", "mlflow=null", "wandb=null",
@@ -79,13 +79,15 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
             ])
             train(rehearsal)
     except Exception as e:  # noqa: BLE001 - a cold spare still works
-        log.warning("spare warm-up failed (%s: %s); the spare starts cold", type(e).__name__, e)
+        failed = e
     finally:
         _logging.disable(_logging.NOTSET)
         os.environ.update(saved)
         from tierstack.runtime import release_distributed
 
         release_distributed()
+    if failed is not None:  # said once logging is on again (it was off for the rehearsal's own lines)
+        log.warning("spare warm-up failed (%s: %s); the spare starts cold", type(failed).__name__, failed)
     seconds = time.perf_counter() - t0
     log.info("spare %s: warmed up in %.2f s", saved.get("RANK", "?"), seconds)
     return seconds
