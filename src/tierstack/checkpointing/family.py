@@ -35,7 +35,7 @@ import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tierstack.checkpointing import paths
+from tierstack.checkpointing import paths, selection
 from tierstack.checkpointing.replication import REPLICAS_DIR
 from tierstack.checkpointing.errors import CheckpointLoadError
 from tierstack.checkpointing.types import CheckpointTier, CheckpointTierHandler
@@ -214,7 +214,8 @@ def check_fresh_start(cfg, chosen, handlers: Sequence[CheckpointTierHandler], fa
         # Nothing of it in the deciding directories: nor anywhere else? (a LOCAL tier beside the
         # GLOBAL directory, replicas, checkpoints selection skipped for a changed topology)
         history = [f for f in _files_of(family, handlers) if not _not_history(f, chosen)]
-        history += [s for s in chosen.skipped if not s.endswith(": other-run")]
+        history += [s for s in chosen.skipped  # (a memory step had no files: never history on disk)
+                    if not s.endswith(": other-run") and selection.MEMORY_STEP not in s]
     if found and not history and _dist.rank() == 0:
         log.warning("resume: the earlier run recorded here never completed a checkpoint (found only %s): a fresh "
                     "start loses nothing of it; starting fresh", "; ".join(found[:8]))

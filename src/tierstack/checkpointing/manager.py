@@ -248,7 +248,7 @@ class CheckpointManager:
     def _save_in_memory(self, objs: TrainingObjects) -> None:
         """A LOCAL memory step (``checkpoint.memory_save_interval``, :mod:`~tierstack.checkpointing.local_memory`):
         a checkpoint boundary for the non-finite guard like any save; staged and checked like a LOCAL
-        save, then held in host memory only. Skipped while a LOCAL save is still being written."""
+        save, then held in host memory only (it does not wait for a LOCAL file still being written)."""
         handler, step = self._tiers.get(CheckpointTier.LOCAL), objs.train_state.step
         if self._closed or handler is None or not handler.saves:
             return

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _SKIP_NOT_INVALID = ("topology-changed", "other-run", "no-manifest")
 MISSING = "missing-on-rank"
+MEMORY_STEP = "a memory step, not held by"  # in ``Selection.skipped``: held in host memory by some ranks only
 
 
 @dataclass
@@ -75,6 +76,16 @@ def _skip_absent(result: Selection, handler: CheckpointTierHandler, step: int, a
                     else "the files of the other ranks are left as they are")
 
 
+def _skip_memory_step(result: Selection, tier: CheckpointTier, step: int, absent: list[int]) -> None:
+    """A memory step (:mod:`~tierstack.checkpointing.local_memory`) that some ranks do not hold:
+    their processes are new (a spare, a restart). Skipped, and not a lost checkpoint: it never had
+    files, so it does not stand in the way of a fresh start either."""
+    result.skipped.append(f"{tier.value} step {step}: {MEMORY_STEP} rank(s) {absent}")
+    if _dist.rank() == 0:
+        log.info("resume: %s memory step %d skipped: rank(s) %s do not hold it (new processes); it has no files",
+                 tier.value.upper(), step, absent)
+
+
 def _order(keys, tiers: Sequence[CheckpointTier]) -> list[tuple[CheckpointTier, int]]:
     """Newest step first; at equal steps in the order of ``tiers`` (fastest first)."""
     return sorted(keys, key=lambda k: (-k[1], tiers.index(k[0])))
@@ -93,9 +104,11 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
         for cand in h.candidates(family):
             views[(h.tier, cand.step)] = cand
     gathered = _dist.all_gather_object(({k: v.problem for k, v in views.items()},
-                                        {h.tier: h.interrupted_steps() for h in by_tier.values()}))
+                                        {h.tier: h.interrupted_steps() for h in by_tier.values()},
+                                        {k for k, v in views.items() if v.extra.get("in_memory")}))
     summaries = [g[0] for g in gathered]
     dirty = [g[1] for g in gathered]  # per rank: tier -> steps it left a .dirty file of
+    in_memory = [g[2] for g in gathered]  # per rank: the (tier, step) it holds in host memory only
     keys = set().union(*(s.keys() for s in summaries))
     if ckpt_step is not None:
         keys = {k for k in keys if k[1] == ckpt_step}
@@ -110,6 +123,9 @@ def select(handlers: Sequence[CheckpointTierHandler], *, family: Optional[str],
                 _log_skip(tier, step, skip, views.get(key), family)
             continue
         absent = [r for r, p in enumerate(problems) if p == MISSING]
+        if absent and all(key in in_memory[r] for r in range(len(problems)) if r not in absent):
+            _skip_memory_step(result, tier, step, absent)  # no checkpoint was lost: it had no files
+            continue
         if absent:  # not invalid: some rank holds nothing of it
             _skip_absent(result, by_tier[tier], step, absent, [r for r in absent if step in dirty[r].get(tier, [])])
             continue

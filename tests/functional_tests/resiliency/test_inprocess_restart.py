@@ -23,12 +23,13 @@ WORKER = Path(__file__).with_name("inprocess_worker.py")
 ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks processes
 
 
-def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=(), extra=()):
+def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=(), extra=(),
+            fault_at: int = 12):
     out.mkdir()
     run = out / "run"
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's and the store's per-poll warnings
     if fault:
-        env.update(TIERSTACK_TEST_FAULT=fault, TIERSTACK_TEST_FAULT_AT="12", TIERSTACK_TEST_FAULT_RANK="1")
+        env.update(TIERSTACK_TEST_FAULT=fault, TIERSTACK_TEST_FAULT_AT=str(fault_at), TIERSTACK_TEST_FAULT_RANK="1")
     proc = run_torchrun([WORKER, out, f"logger.run_dir={run}", "train.train_iters=30", "checkpoint.local_save_interval=5",
                          f"checkpoint.save={run}/global", f"checkpoint.local_dir={run}/local",
                          "resiliency.restart=in-process", f"resiliency.heartbeat_timeout_s={heartbeat_s}",
@@ -122,6 +123,22 @@ def test_with_memory_steps_a_killed_rank_resumes_every_rank_from_the_file_step(t
     records, _ = _check(tmp_path, uninterrupted, "kill", resumed=10, in_memory=(), extra=MEMORY_STEPS)
     pids = [x["pid"] for x in records[1]]
     assert pids[0] != pids[-1]
+
+
+@pytest.mark.slow
+def test_with_memory_steps_a_kill_before_the_first_file_starts_fresh(tmp_path, uninterrupted):
+    """Killed after step 4, before the first LOCAL file (step 5): rank 0 holds memory step 3, the
+    spare nothing. A memory step has no files, so it is no lost checkpoint that would refuse a
+    fresh start (found by a break-it pass: every attempt refused it until the restarts ran out)."""
+    out = tmp_path / "early-kill"
+    proc, log, records = _launch(out, "kill", extra=MEMORY_STEPS, fault_at=4)
+    assert proc.returncode == 0, log[-6000:]
+    assert "LOCAL memory step 3 skipped: rank(s) [1] do not hold it" in log, log[-6000:]
+    assert "FINAL step=30 resumed_from=[]" in log
+    for rank in (0, 1):
+        assert [x["step"] for x in records[rank]] == [1, 2, 3, 4, *range(1, 31)]
+        final = {x["step"]: x["loss"] for x in records[rank][4:]}
+        assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
 
 
 @pytest.mark.slow
