@@ -174,3 +174,30 @@ def test_a_memory_step_while_a_file_is_written_takes_a_third_set_and_never_waits
     local_memory.note_sealed(stager, step=10, run_id="r", rank=0, root=tmp_path, topology={})
     assert local_memory.held().step == 11  # the older file step does not replace it
     stager.close()
+
+
+def test_a_memory_step_another_rank_does_not_hold_is_skipped_not_missing(tmp_path, memory, monkeypatch):
+    """Selection on a real LOCAL tier, rank 1 simulated in the gather (a new process: no candidate):
+    the memory step is skipped as such, never listed as a checkpoint missing on a rank (which would
+    refuse a fresh start), and a fresh start of the run is allowed."""
+    from tests.unit_tests.checkpointing.test_nonfinite_guard import LAYOUT, adam_after_one_step
+    from tierstack.checkpointing import family, selection
+    from tierstack.checkpointing.local_tier import LocalTier
+    from tierstack.config import CheckpointConfig
+    from tierstack.runtime import collectives
+
+    real = collectives.all_gather_object
+    rank1 = ({}, {}, set())  # (problems, .dirty steps, memory steps) of a rank that holds nothing
+    monkeypatch.setattr(collectives, "all_gather_object",
+                        lambda obj: real(obj) + [rank1 if isinstance(obj, tuple) else [] if isinstance(obj, list) else None])
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "local"))
+    tier = LocalTier(cfg, LAYOUT)
+    try:
+        model, opt = adam_after_one_step()
+        _memory_step(tier, model, opt, 3)
+        chosen = selection.select([tier], family="runA")
+        assert chosen.handler is None and chosen.missing == [] and chosen.quarantined == []
+        assert chosen.skipped == [f"local step 3: {selection.MEMORY_STEP} rank(s) [1]"]
+        family.check_fresh_start(cfg, chosen, [tier], "runA")  # not refused
+    finally:
+        tier.close()

@@ -157,7 +157,7 @@ def _rank1_holds_nothing(monkeypatch, dirty_steps=()):
     """Simulate a rank 1 in the gathers of selection: no candidates, ``.dirty`` files of ``dirty_steps``
     (and no evidence of an earlier run in the gather of ``family.evidence``)."""
     real = collectives.all_gather_object
-    rank1 = ({}, {CheckpointTier.LOCAL: list(dirty_steps)})
+    rank1 = ({}, {CheckpointTier.LOCAL: list(dirty_steps)}, set())  # (problems, .dirty steps, memory steps)
     monkeypatch.setattr(collectives, "all_gather_object",
                         lambda obj: real(obj) + [rank1 if isinstance(obj, tuple) else [] if isinstance(obj, list) else None])
 
