@@ -52,8 +52,15 @@ class HeldStep:
     manifest: Optional[dict] = None  # a memory step's manifest (it has no file); None: a file step
 
     def sources(self) -> list[torch.Tensor]:
-        """The held bytes as 1-D uint8 views (what a loaded tensor may view; see ``own_optimizer_state``)."""
-        return [b.reshape(-1).view(torch.uint8) for b in self.buffers]
+        """The held bytes as 1-D uint8 tensors (what a loaded tensor may view; see
+        ``own_optimizer_state``): one per host region the buffers live in (one: a staging set is
+        a single region, ``runtime.empty_host_buffers``), so that the optimizer state is looked
+        at once per region, not once per buffer."""
+        regions = {}
+        for b in self.buffers:
+            storage = b.untyped_storage()
+            regions.setdefault(storage.data_ptr(), storage)
+        return [torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),)) for st in regions.values()]
 
 
 _held: Optional[HeldStep] = None

@@ -361,8 +361,8 @@ class LocalTier(LocalFiles, StagedTier):
         del tasd
         ckpt_state.apply(objs, loaded, optim=optim, rng=rng)
         del loaded
-        for source in (held.sources() if held is not None else [data]) if optim else ():
-            ckpt_state.own_optimizer_state(objs.optimizer, before, source)  # no view of the file or held buffers
+        if optim:  # no view of the file or of the held buffers
+            ckpt_state.own_optimizer_state(objs.optimizer, before, held.sources() if held is not None else data)
         del data
         return str(self.root)
 

@@ -8,7 +8,7 @@ and RNG as one ``ShardedObject`` per global rank, since every rank has its own g
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -80,7 +80,7 @@ def optimizer_state_tensors(optimizer: Any) -> dict[tuple[int, int, str], torch.
 
 @torch.no_grad()
 def own_optimizer_state(optimizer: Any, before: dict[tuple[int, int, str], torch.Tensor],
-                        source: torch.Tensor) -> int:
+                        source: Union[torch.Tensor, Sequence[torch.Tensor]]) -> int:
     """Make the optimizer state own its memory again after a load from ``source``'s bytes.
 
     ``torch.optim.Optimizer.load_state_dict`` (and megatron's optimizers, which call it) keeps the
@@ -92,20 +92,30 @@ def own_optimizer_state(optimizer: Any, before: dict[tuple[int, int, str], torch
     :func:`prepare_optimizer_for_load`; same shape and dtype), or cloned where there is none.
 
     Args:
-        source: the 1-D uint8 tensor whose memory the loaded tensors may view.
+        source: the tensor whose memory the loaded tensors may view (a file's 1-D uint8 bytes),
+            or several (the held buffers of a step in memory): the state is walked once.
 
     Returns:
         Bytes copied.
     """
-    lo, hi = source.data_ptr(), source.data_ptr() + source.numel()
+    import bisect
+
+    spans = sorted((s.data_ptr(), s.data_ptr() + s.numel() * s.element_size())
+                   for s in ([source] if isinstance(source, torch.Tensor) else source))
+    starts = [lo for lo, _ in spans]
+
+    def inside(ptr: int) -> bool:  # in one of the sources' bytes (a bisect: one look per tensor)
+        j = bisect.bisect_right(starts, ptr) - 1
+        return j >= 0 and ptr < spans[j][1]
+
     copied = 0
     for i, torch_opt in enumerate(torch_optimizers(optimizer)):
         for p, st in torch_opt.state.items():
             for k, t in list(st.items()):
-                if not isinstance(t, torch.Tensor) or not lo <= t.data_ptr() < hi:
+                if not isinstance(t, torch.Tensor) or not inside(t.data_ptr()):
                     continue
                 old = before.get((i, id(p), k))
-                if old is not None and old.shape == t.shape and old.dtype == t.dtype and not lo <= old.data_ptr() < hi:
+                if old is not None and old.shape == t.shape and old.dtype == t.dtype and not inside(old.data_ptr()):
                     st[k] = old.copy_(t)
                 else:
                     st[k] = t.clone()

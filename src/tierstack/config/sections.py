@@ -268,9 +268,7 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.local_save_interval must be >= 1, auto or null")
         if self.local_save_interval is not None and self.local_dir is None:
             p.append("checkpoint.local_save_interval is set but checkpoint.local_dir is not")
-        if self.memory_save_interval is not None and (self.memory_save_interval < 1 or self.local_dir is None):
-            p.append(f"checkpoint.memory_save_interval={self.memory_save_interval}: must be >= 1 iterations, "
-                     "or null, and needs checkpoint.local_dir (memory steps belong to the LOCAL tier)")
+        p += self._memory_step_problems()
         if self.most_recent_k == 0 or self.most_recent_k < -1:
             p.append("checkpoint.most_recent_k must be >= 1, or -1 to keep all")
         if self.ckpt_step is not None and self.ckpt_step < 0:
@@ -288,6 +286,17 @@ class CheckpointConfig(_Section):
         if self.exit_on_missing_checkpoint and self.load is None and self.save is None and self.local_dir is None:
             p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
         return p
+
+    def _memory_step_problems(self) -> list[str]:
+        m, local = self.memory_save_interval, self.local_save_interval
+        if m is None or m < 1:
+            return [] if m is None else [f"checkpoint.memory_save_interval={m}: must be >= 1 iterations, or null"]
+        if self.local_dir is None:
+            return [f"checkpoint.memory_save_interval={m} needs checkpoint.local_dir (memory steps belong to the LOCAL tier)"]
+        if isinstance(local, int) and local >= 1 and m % local == 0:
+            return [f"checkpoint.memory_save_interval={m} is a multiple of checkpoint.local_save_interval={local}: every "
+                    "memory step falls on a LOCAL file save and none is ever taken; use a smaller interval (e.g. 1)"]
+        return []
 
     def path_problems(self) -> list[str]:
         """The checkpoint directories as this process sees them: ``save`` and ``local_dir``

@@ -223,10 +223,12 @@ def test_mapped_read_is_private_and_released(tmp_path, gloo_group):
         manifest._populate_works = None
 
 
-def test_loaded_optimizer_state_is_copied_back_into_the_optimizers_own_tensors():
+@pytest.mark.parametrize("held_buffers", [False, True])
+def test_loaded_optimizer_state_is_copied_back_into_the_optimizers_own_tensors(held_buffers):
     """torch's ``Optimizer.load_state_dict`` keeps loaded tensors of matching dtype and device as
     they are: after a LOCAL load they would be views of the mapped file. ``own_optimizer_state``
-    copies them into the tensors the optimizer held before the load."""
+    copies them into the tensors the optimizer held before the load. ``held_buffers``: the
+    tensors view several buffers (a step held in memory), all given in one call."""
     from tierstack.checkpointing import state as ckpt_state
 
     params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
@@ -239,19 +241,23 @@ def test_loaded_optimizer_state_is_copied_back_into_the_optimizers_own_tensors()
     expected = {(i, k): t + 1 for i, st in saved["state"].items() for k, t in st.items()}
     nbytes = sum(t.numel() * t.element_size() for st in saved["state"].values() for t in st.values())
     source = torch.empty(nbytes, dtype=torch.uint8)  # the "file": every loaded tensor is a view of it
+    buffers = []  # or one buffer per tensor
     offset, loaded = 0, {"state": {}, "param_groups": saved["param_groups"]}
     for i, st in saved["state"].items():
         loaded["state"][i] = {}
         for k, t in st.items():
             n = t.numel() * t.element_size()
-            view = source[offset:offset + n].view(t.dtype).reshape(t.shape)
+            if held_buffers:
+                buffers.append(torch.empty(n, dtype=torch.uint8))
+            view = (buffers[-1] if held_buffers else source[offset:offset + n]).view(t.dtype).reshape(t.shape)
             view.copy_(expected[(i, k)])
             loaded["state"][i][k] = view
             offset += n
     opt.load_state_dict(loaded)
-    inside = lambda t: source.data_ptr() <= t.data_ptr() < source.data_ptr() + nbytes  # noqa: E731
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in (buffers if held_buffers else [source])]
+    inside = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in spans)  # noqa: E731
     assert any(inside(t) for t in ckpt_state.optimizer_state_tensors(opt).values())  # torch kept the views
-    assert ckpt_state.own_optimizer_state(opt, before, source) == nbytes
+    assert ckpt_state.own_optimizer_state(opt, before, buffers if held_buffers else source) == nbytes
     after = ckpt_state.optimizer_state_tensors(opt)
     assert not any(inside(t) for t in after.values())
     assert {k: t.data_ptr() for k, t in after.items()} == old_ptrs  # back in the optimizer's own tensors

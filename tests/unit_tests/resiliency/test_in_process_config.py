@@ -77,9 +77,12 @@ def test_memory_steps_without_in_process_restart_or_a_local_dir_are_refused_nami
     assert len(err.value.problems) == 1
     assert "checkpoint.memory_save_interval=1 needs resiliency.restart=in-process" in str(err.value)
     in_process_ok = ["resiliency.restart=in-process", "resiliency.heartbeat_timeout_s=3", "resiliency.spare_ranks=1"]
-    for bad in (["checkpoint.memory_save_interval=1"], [local, "checkpoint.memory_save_interval=0"]):
+    for bad, says in ((["checkpoint.memory_save_interval=1"], "=1 needs checkpoint.local_dir"),
+                      ([local, "checkpoint.memory_save_interval=0"], "=0: must be >= 1 iterations"),
+                      ([local, "checkpoint.local_save_interval=5", "checkpoint.memory_save_interval=10"],
+                       "=10 is a multiple of checkpoint.local_save_interval=5: every memory step falls on")):
         with pytest.raises(ConfigError) as err:
             in_process.check(_config(*in_process_ok, *bad), 3, environ={})
         assert len(err.value.problems) == 1
-        assert "checkpoint.memory_save_interval=" in str(err.value) and "needs checkpoint.local_dir" in str(err.value)
+        assert f"checkpoint.memory_save_interval{says}" in str(err.value)
     in_process.check(_config(*in_process_ok, local, "checkpoint.memory_save_interval=1"), 3, environ={})
