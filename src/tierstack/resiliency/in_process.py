@@ -58,6 +58,22 @@ class RestartLimitReached(BaseException):
     status, so the launcher's restart (``torchrun --max-restarts``) takes over if there is one.
     A BaseException, so NVRx does not take it for one more failure to restart from."""
 
+    exit_status = 1
+
+
+class AgreedStop(RestartLimitReached):
+    """An error every rank raised together after agreeing on it (:func:`~tierstack.errors.raised_on_every_rank`:
+    bad input, ``checkpoint.on_nonfinite=stop``, ``checkpoint.exit_on_save_failure``): a decision
+    of the run, not a fault, and it would come back after every restart. The job ends at once
+    (exit status 2 for bad input, as without in-process restart, else 1), instead of burning
+    ``resiliency.max_in_process_restarts`` attempts on it."""
+
+    def __init__(self, error: BaseException):
+        from tierstack.errors import BadInputError
+
+        super().__init__(f"{type(error).__name__}: {error} (raised on every rank: not restarted in-process)")
+        self.exit_status = 2 if isinstance(error, BadInputError) else 1
+
 
 def check(config: ConfigContainer, processes: int, environ: Optional[dict] = None) -> None:
     """Refuse, before any work, an in-process restart that cannot work (names the field).
@@ -212,6 +228,12 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         _watch.begin(call_wrapper)
         try:
             return train(config)
+        except Exception as e:
+            from tierstack.errors import raised_on_every_rank
+
+            if raised_on_every_rank(e):
+                raise AgreedStop(e) from e
+            raise
         finally:
             _watch.end()
             attempt_store.use_attempt_store(None)
@@ -227,7 +249,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             return rank_slot.DISCARDED
         except RestartLimitReached as e:  # the job ends: one line, not a traceback; the launcher's restart follows
             log.error("rank %s stops: %s", os.environ.get("RANK"), e)
-            return 1
+            return e.exit_status
         finally:
             liveness.close()
     rank_slot.mark_done(job)

@@ -8,8 +8,9 @@ Runs ``tierstack.pretrain`` on the tiny GPT of ``nodes_worker.tiny_config`` thro
 float hex (bit-identical comparisons), the process id and the unix time at the end of the step.
 
 Fault, once per launch (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
-``raise`` | ``kill`` | ``stop``, on rank ``TIERSTACK_TEST_FAULT_RANK`` after step
-``TIERSTACK_TEST_FAULT_AT``. Before it every rank waits for the LOCAL save in flight
+``raise`` | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
+rank's optimizer: the next checkpoint's check finds it), on rank ``TIERSTACK_TEST_FAULT_RANK``
+after step ``TIERSTACK_TEST_FAULT_AT``. Before it every rank waits for the LOCAL save in flight
 (``CheckpointManager.wait``, collective), so the step resumed from does not depend on the speed
 of the machine. The fault's unix time goes to ``OUT_DIR/fault.json``.
 """
@@ -44,6 +45,14 @@ def main() -> int:
         managers.append(self)
 
     manager_module.CheckpointManager.__init__ = capture
+    objs_seen = []
+    observe = manager_module.CheckpointManager.observe_step
+
+    def capture_objs(self, objs, result):
+        objs_seen[:] = [objs]
+        return observe(self, objs, result)
+
+    manager_module.CheckpointManager.observe_step = capture_objs
 
     def on_step(ts, result):
         rank = int(os.environ["RANK"])
@@ -59,6 +68,12 @@ def main() -> int:
             print(f"FAULT {fault} on rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
             if fault == "raise":
                 raise RuntimeError(f"injected failure on rank {rank} after step {ts.step}")
+            if fault == "nonfinite":
+                from tierstack.checkpointing.state import torch_optimizers
+
+                opt = torch_optimizers(objs_seen[0].optimizer)[0]
+                opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].view(-1)[0] = float("inf")
+                return
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
     def train(config):

@@ -142,6 +142,20 @@ def test_with_memory_steps_a_kill_before_the_first_file_starts_fresh(tmp_path, u
 
 
 @pytest.mark.slow
+def test_a_non_finite_state_with_on_nonfinite_stop_ends_the_job_without_restarts(tmp_path):
+    """``checkpoint.on_nonfinite=stop`` is a decision every rank takes together, not a fault: the
+    job stops once, with the reason, instead of restarting in-process until the restarts run out
+    (found by a break-it pass: 8 attempts, each stopped again by the same state)."""
+    out = tmp_path / "nonfinite"
+    proc, log, records = _launch(out, "nonfinite", extra=[*MEMORY_STEPS, "checkpoint.on_nonfinite=stop"])
+    assert proc.returncode != 0
+    assert "LOCAL memory step 12: non-finite parameters or optimizer moments on rank 1" in log, log[-6000:]
+    assert "rank 0 stops: NonFiniteError: step 12" in log and "not restarted in-process" in log, log[-6000:]
+    assert "in-process restart 1" not in log
+    assert [x["step"] for x in records[0]] == list(range(1, 13))
+
+
+@pytest.mark.slow
 def test_without_a_spare_the_launchers_restart_takes_over(tmp_path, uninterrupted):
     """``resiliency.spare_ranks=0`` under ``torchrun --max-restarts 1``: a killed rank cannot be
     replaced in-process, so the job ends (never a silently smaller world) and torchrun restarts it."""
