@@ -13,14 +13,15 @@ usable as a resume source:
   rank, root and topology are the ones asked for; anything else (a replaced rank, a new process,
   another step) reads its file as before;
 - with ``checkpoint.memory_save_interval`` the tier also stages *memory steps* between its file
-  saves: the same staging and non-finite check, sealed by the same agreement, but no file, no
-  replica. A memory step is a resume candidate only in the processes that hold it (its manifest is
-  kept beside it, :func:`memory_candidate`): a rank whose process was replaced holds none, so
-  selection skips the step as missing on that rank and the ranks agree on the newest file step,
-  as on any start. Healthy ranks that all survived lose at most the step in flight.
+  saves: the same staging, then the non-finite check of the live tensors and one agreement on
+  the training thread, and no file, no replica. A memory step is a resume candidate only in the
+  processes that hold it (its manifest is kept beside it, :func:`memory_candidate`): a rank whose
+  process was replaced holds none, so selection skips it as a memory step (no lost checkpoint)
+  and the ranks agree on the newest file step, as on any start. Healthy ranks that all survived
+  lose at most the step in flight.
 
-Off unless :func:`enable` was called (once per process, by the in-process runner): the second
-buffer set costs as much host memory as the first.
+Off unless :func:`enable` was called (once per process, by the in-process runner): each more
+buffer set (a second; a third with memory steps) costs as much host memory as the first.
 """
 
 from __future__ import annotations
@@ -52,15 +53,9 @@ class HeldStep:
     manifest: Optional[dict] = None  # a memory step's manifest (it has no file); None: a file step
 
     def sources(self) -> list[torch.Tensor]:
-        """The held bytes as 1-D uint8 tensors (what a loaded tensor may view; see
-        ``own_optimizer_state``): one per host region the buffers live in (one: a staging set is
-        a single region, ``runtime.empty_host_buffers``), so that the optimizer state is looked
-        at once per region, not once per buffer."""
-        regions = {}
-        for b in self.buffers:
-            storage = b.untyped_storage()
-            regions.setdefault(storage.data_ptr(), storage)
-        return [torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),)) for st in regions.values()]
+        """The held bytes as 1-D uint8 views (what a loaded tensor may view; ``own_optimizer_state``
+        takes them all in one walk of the optimizer state)."""
+        return [b.reshape(-1).view(torch.uint8) for b in self.buffers]
 
 
 _held: Optional[HeldStep] = None

@@ -231,9 +231,7 @@ class CheckpointManager:
         # failure it reports is applied before anything of this one is staged.
         handler.finalize(blocking=True)
         self._raise_if_failed()
-        if not self.guard.check(step).ok:
-            if not self.blocked_steps or self.blocked_steps[-1] != step:
-                self.blocked_steps.append(step)
+        if self._blocked(step):
             if handler.persistent:
                 self.best.settle(step)  # no GLOBAL checkpoint of this step: its candidate is spent
             return None
@@ -250,14 +248,19 @@ class CheckpointManager:
         a checkpoint boundary for the non-finite guard like any save; staged and checked like a LOCAL
         save, then held in host memory only (it does not wait for a LOCAL file still being written)."""
         handler, step = self._tiers.get(CheckpointTier.LOCAL), objs.train_state.step
-        if self._closed or handler is None or not handler.saves:
-            return
-        if not self.guard.check(step).ok:
-            if not self.blocked_steps or self.blocked_steps[-1] != step:
-                self.blocked_steps.append(step)
+        if self._closed or handler is None or not handler.saves or self._blocked(step):
             return
         handler.save(objs, run_id=objs.train_state.run_id, in_memory=True)
         self._raise_if_failed()
+
+    def _blocked(self, step: int) -> bool:
+        """Collective, at a checkpoint boundary: the non-finite guard's verdict for ``step`` (once
+        per step); a blocked step is recorded in ``blocked_steps``."""
+        if self.guard.check(step).ok:
+            return False
+        if not self.blocked_steps or self.blocked_steps[-1] != step:
+            self.blocked_steps.append(step)
+        return True
 
     def _save_with_records(self, handler: CheckpointTierHandler, objs: TrainingObjects) -> Optional[float]:
         """Save with the best records committed into the TrainState this save captures. The live

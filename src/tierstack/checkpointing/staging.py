@@ -228,9 +228,7 @@ class StagedTier:
         from tierstack.runtime import collectives
 
         own = job.job.exception() if job.job.done() else None
-        flags = torch.zeros(collectives.world_size(), 1, dtype=torch.int64)
-        flags[collectives.rank()] = int(isinstance(own, NonFiniteStateError))
-        return [r for r, (bad,) in enumerate(collectives.all_reduce_max_table(flags).tolist()) if bad]
+        return collectives.ranks_where(isinstance(own, NonFiniteStateError))
 
     def veto(self, step: int) -> None:
         """On every rank: the non-finite guard blocked ``step`` in another tier, so this tier's
