@@ -20,6 +20,10 @@ usable as a resume source:
   and the ranks agree on the newest file step, as on any start. Healthy ranks that all survived
   lose at most the step in flight.
 
+With ``checkpoint.memory_dir`` the sets are files in the node's shared memory and the held memory
+step is recorded there too (:mod:`~tierstack.checkpointing.node_memory`): a process that takes the
+rank of one that died on the same node adopts it, so a killed rank loses at most the step in flight too.
+
 Off unless :func:`enable` was called (once per process, by the in-process runner): each more
 buffer set (a second; a third with memory steps) costs as much host memory as the first.
 """
@@ -28,10 +32,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
+from tierstack.checkpointing import node_memory
 from tierstack.checkpointing.staging import Stager
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ class HeldStep:
     header: bytes
     buffers: tuple  # of torch.Tensor, the staging set it was written from
     manifest: Optional[dict] = None  # a memory step's manifest (it has no file); None: a file step
+    record_dir: Optional[str] = None  # where its node-memory record is (``checkpoint.memory_dir``), or None
 
     def sources(self) -> list[torch.Tensor]:
         """The held bytes as 1-D uint8 views (what a loaded tensor may view; ``own_optimizer_state``
@@ -78,8 +85,10 @@ def held() -> Optional[HeldStep]:
 
 
 def forget() -> None:
-    """Drop the held step (its buffers are freed when no tier uses them)."""
+    """Drop the held step (its buffers are freed when no tier uses them), and its node-memory record."""
     global _held
+    if _held is not None and _held.record_dir is not None:
+        node_memory.remove_record(Path(_held.record_dir))
     _held = None
 
 
@@ -88,11 +97,19 @@ class MemoryStager(Stager):
     writer reads while its job runs: with memory steps between file saves that takes a third set
     (allocated the first time a memory step comes while a file is still being written)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, node_dir: Optional[Path] = None):
         super().__init__(name)
-        self._idle: list[tuple[list, Optional[list]]] = []  # (buffers, signature) of the sets not current
+        self.node_dir = node_dir  # the sets are files there (node memory), or None: anonymous memory
+        self._file: Optional[str] = None  # the current set's file
+        self._idle: list[tuple[list, Optional[list], Optional[str]]] = []  # (buffers, signature, file) of the others
         self._writing: Optional[torch.Tensor] = None  # first buffer of the set the writer's job reads
-        self._staged: dict[int, tuple[bytes, tuple]] = {}  # step -> (header, buffers) of the last stagings
+        self._staged: dict[int, tuple[bytes, tuple, Optional[str]]] = {}  # step -> (header, buffers, file)
+
+    def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.node_dir is None:
+            return super()._allocate(tensors)
+        buffers, self._file = node_memory.allocate(tensors, self.node_dir)
+        return buffers
 
     def _busy(self, buffers: list) -> bool:
         if not buffers:
@@ -104,9 +121,9 @@ class MemoryStager(Stager):
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self._busy(self._buffers):
-            self._idle.append((self._buffers, self._signature))
-            free = next((i for i, (b, _) in enumerate(self._idle) if not self._busy(b)), None)
-            self._buffers, self._signature = self._idle.pop(free) if free is not None else ([], None)
+            self._idle.append((self._buffers, self._signature, self._file))
+            free = next((i for i, (b, _, _) in enumerate(self._idle) if not self._busy(b)), None)
+            self._buffers, self._signature, self._file = self._idle.pop(free) if free is not None else ([], None, None)
         return super().stage(tensors)  # (its wait_released: only for the set the writer reads)
 
     def wait_released(self) -> None:
@@ -121,24 +138,26 @@ class MemoryStager(Stager):
         """The buffers just staged hold ``step`` (with this header); what they held before is gone."""
         mine = self._buffers[0] if self._buffers else None
         self._staged = {s: v for s, v in self._staged.items() if s != step and not (v[1] and v[1][0] is mine)}
-        self._staged[step] = (header, tuple(self._buffers))
+        self._staged[step] = (header, tuple(self._buffers), self._file)
 
-    def staged_step(self, step: int) -> Optional[tuple[bytes, tuple]]:
-        """``(header, buffers)`` of ``step`` if it was staged here and its set was not refilled since."""
+    def staged_step(self, step: int) -> Optional[tuple[bytes, tuple, Optional[str]]]:
+        """``(header, buffers, file)`` of ``step`` if it was staged here and its set was not refilled
+        since (``file``: the set's file in node memory, or None)."""
         return self._staged.get(step)
 
     def close(self, timeout_s: Optional[float] = None) -> None:
         super().close(timeout_s)
-        self._idle, self._staged, self._writing = [], {}, None  # a held step keeps its own references
+        self._idle, self._staged, self._writing, self._file = [], {}, None, None  # a held step keeps its own references
 
     def abandon(self) -> None:
         super().abandon()
-        self._idle, self._staged, self._writing = [], {}, None
+        self._idle, self._staged, self._writing, self._file = [], {}, None, None
 
 
-def stager_for(default: Stager) -> Stager:
-    """The LOCAL tier's stager: a :class:`MemoryStager` when enabled, else ``default``."""
-    return MemoryStager(default.name) if _enabled else default
+def stager_for(default: Stager, node_dir: Optional[Path] = None) -> Stager:
+    """The LOCAL tier's stager: a :class:`MemoryStager` when enabled (its sets files in ``node_dir``,
+    :func:`node_memory.rank_dir <tierstack.checkpointing.node_memory.rank_dir>`, when given), else ``default``."""
+    return MemoryStager(default.name, node_dir) if _enabled else default
 
 
 def note_staged(stager: Stager, step: int, header: bytes) -> None:
@@ -160,23 +179,74 @@ def note_sealed(stager: Stager, *, step: int, run_id: str, rank: int, root: Any,
         return
     if _held is not None and _held.step > step:  # a memory step newer than a file that sealed after it
         return
-    _held = HeldStep(step, run_id, rank, str(root), dict(topology), got[0], got[1], manifest)
+    record = _record(stager.node_dir, got, step=step, run_id=run_id, rank=rank, root=str(root),
+                     topology=dict(topology), manifest=manifest)
+    _held = HeldStep(step, run_id, rank, str(root), dict(topology), got[0], got[1], manifest, record)
 
 
-def memory_candidate(run_id: Optional[str], rank: int, root: Any, topology: dict, rank_dir: Any):
+def _record(node_dir: Optional[Path], got: tuple, *, step: int, run_id: str, rank: int, root: str, topology: dict,
+            manifest: Optional[dict]) -> Optional[str]:
+    """Before the held step changes: the node-memory record names the new one when it is a memory
+    step in a file-backed set, else none is left (the set the old record named may be refilled)."""
+    if node_dir is None:
+        return None
+    header, buffers, file = got
+    if manifest is None or file is None:
+        node_memory.remove_record(node_dir)
+        return None
+    try:
+        node_memory.write_record(node_dir, step=step, run_id=run_id, rank=rank, root=root, topology=topology,
+                                 manifest=manifest, header=header, buffers=buffers, file=file)
+    except OSError as e:
+        log.warning("rank %d: memory step %d is held in this process only: its node-memory record in %s "
+                    "could not be written (%s)", rank, step, node_dir, e)
+        return None
+    return str(node_dir)
+
+
+def memory_candidate(run_id: Optional[str], rank: int, root: Any, topology: dict, rank_dir: Any,
+                     node_dir: Optional[Path] = None):
     """The held memory step as a LOCAL resume :class:`~tierstack.checkpointing.types.Candidate`
     of this rank (its path: where its file would be in ``rank_dir``; it has none), or None: no
-    memory step held, or one of another run, rank, root or topology."""
-    from pathlib import Path
-
+    memory step held, or one of another run, rank, root or topology. A process that holds no
+    step first adopts the one a dead process of this rank left in ``node_dir`` (:func:`adopt`)."""
     from tierstack.checkpointing import paths
     from tierstack.checkpointing.types import Candidate, CheckpointTier
 
+    if _held is None and node_dir is not None and _enabled:
+        adopt(node_dir, rank, root, topology)
     h = _held
     if h is None or h.manifest is None or match(h.step, run_id, rank, root, topology) is None:
         return None
     path = Path(rank_dir) / paths.local_file_name(h.step, rank)
     return Candidate(CheckpointTier.LOCAL, h.step, path, h.manifest, None, False, {"in_memory": True})
+
+
+def adopt(node_dir: Path, rank: int, root: Any, topology: dict) -> Optional[HeldStep]:
+    """Make the memory step that a previous process of ``rank`` left in node memory (``node_dir``)
+    this process's held step, when it is of this rank, LOCAL root and topology; a record of another
+    root, rank or topology is removed (its directory is this root's and rank's: it can never be resumed)."""
+    global _held
+    got = node_memory.adopt(node_dir)
+    if got is None:
+        return None
+    meta, header, buffers, file = got
+    if meta["rank"] != rank or meta["root"] != str(root) or meta["topology"] != dict(topology):
+        log.warning("rank %d: the memory step %s in %s is of another rank, root or topology; removed",
+                    rank, meta["step"], node_dir)
+        node_memory.remove_record(node_dir)
+        return None
+    _held = HeldStep(meta["step"], meta["run_id"], rank, str(root), dict(topology), header, buffers,
+                     meta["manifest"], str(node_dir))
+    log.info("rank %d: adopted memory step %d from node memory (%s), left by the rank's previous process",
+             rank, meta["step"], file)
+    return _held
+
+
+def release() -> None:
+    """The run ended here: drop the held step, its node-memory record and every set file of this process."""
+    forget()
+    node_memory.release_files()
 
 
 def memory_manifest(step: int, rank: int, root: Any, topology: dict) -> Optional[dict]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from tierstack.checkpointing import compat, local_exchange, local_file, local_memory, local_replicas, manifest
-from tierstack.checkpointing import model_settings, paths, retention, retry, rewind
+from tierstack.checkpointing import model_settings, node_memory, paths, retention, retry, rewind
 from tierstack.checkpointing import state as ckpt_state
 from tierstack.checkpointing.local_files import LocalFiles
 from tierstack.checkpointing.staging import StagedTier
@@ -69,11 +69,16 @@ class LocalTier(LocalFiles, StagedTier):
     def __init__(self, cfg: CheckpointConfig, parallel_layout: ParallelLayout, *,
                  run_config: Optional[Mapping[str, Any]] = None):
         super().__init__("LOCAL", cfg.async_write_timeout_s)
-        self._stager = local_memory.stager_for(self._stager)  # two sets under in-process restart
         self.cfg = cfg
         self.layout = parallel_layout
         self.run_config = run_config or {}
         self.root = Path(cfg.local_dir) if cfg.local_dir else None
+        self._node_dir = (node_memory.rank_dir(cfg.memory_dir, self.root, parallel_layout.rank)
+                          if cfg.memory_dir and self.root is not None else None)  # memory steps in node memory
+        self._stager = local_memory.stager_for(self._stager, self._node_dir)  # more sets under in-process restart
+        if self._node_dir is not None and parallel_layout.local_rank == 0 and node_memory.is_tmpfs(cfg.memory_dir) is False:
+            log.warning("checkpoint.memory_dir=%s is not a tmpfs: the kernel writes every memory step back to that "
+                        "disk; use the node's shared memory (e.g. /dev/shm)", cfg.memory_dir)
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.sealed: list[int] = []  # steps sealed on every rank by this process
@@ -272,7 +277,7 @@ class LocalTier(LocalFiles, StagedTier):
 
     def candidates(self, run_id: Optional[str]) -> list[Candidate]:
         held = None if self.root is None else local_memory.memory_candidate(
-            run_id, self.layout.rank, self.root, self.layout.topology(), self.rank_dir)
+            run_id, self.layout.rank, self.root, self.layout.topology(), self.rank_dir, self._node_dir)
         out = [] if held is None else [held]  # a memory step this process holds (it has no file)
         if self.root is None or not self.rank_dir.is_dir():
             return out

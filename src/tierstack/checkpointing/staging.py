@@ -87,13 +87,17 @@ class Stager:
             if self._signature is not None:
                 log.info("%s staging: the state's shapes changed; reallocating the buffers", self.name)
             self._buffers = []  # drop the old ones before allocating the new
-            self._buffers = runtime.empty_host_buffers(tensors)  # one (pinned, on GPU) region, exact sizes
+            self._buffers = self._allocate(tensors)  # one (pinned, on GPU) region, exact sizes
             self._signature = signature
             self.allocations += 1
             log.info("%s staging: %d buffers, %.3f GiB of host memory", self.name, len(self._buffers),
                      self.nbytes / 2**30)
         runtime.copy_to_host(self._buffers, tensors)
         return list(self._buffers)
+
+    def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """New staging buffers for ``tensors`` (a subclass may back them with a file)."""
+        return runtime.empty_host_buffers(tensors)
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future:
         """Run ``fn(*args, **kwargs)`` on the writer thread; the buffers are the writer's until it returns.

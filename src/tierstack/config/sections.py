@@ -25,6 +25,7 @@ from tierstack.config.observability_sections import (  # noqa: F401 - re-exporte
     WandbConfig,
 )
 from tierstack.config.resiliency_section import ResiliencyConfig  # noqa: F401 - re-exported: its own module
+from tierstack.config.memory_steps import memory_step_problems
 from tierstack.config.model_section import (  # noqa: F401 - re-exported: the model section lives in its own module
     ACTIVATION_FUNCS,
     NORMALIZATIONS,
@@ -198,6 +199,9 @@ class CheckpointConfig(_Section):
     # iterations between LOCAL memory steps: staged into host memory like a LOCAL save, no file;
     # under resiliency.restart=in-process the healthy ranks resume from the newest (null = none)
     memory_save_interval: Optional[int] = None
+    # memory steps' host buffers as files in this tmpfs (e.g. /dev/shm): a process that takes the rank of
+    # one that died on the same node resumes its memory step too (null = in the process's own memory)
+    memory_dir: Optional[str] = None
     mtbf_s: Optional[float] = None  # mean time between unplanned failures of the whole job, seconds (for "auto")
     most_recent_k: int = 2  # checkpoints kept per tier; -1 keeps all
     async_save: bool = False  # GLOBAL saves in a background writer (LOCAL saves always are)
@@ -268,7 +272,7 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.local_save_interval must be >= 1, auto or null")
         if self.local_save_interval is not None and self.local_dir is None:
             p.append("checkpoint.local_save_interval is set but checkpoint.local_dir is not")
-        p += self._memory_step_problems()
+        p += memory_step_problems(self)
         if self.most_recent_k == 0 or self.most_recent_k < -1:
             p.append("checkpoint.most_recent_k must be >= 1, or -1 to keep all")
         if self.ckpt_step is not None and self.ckpt_step < 0:
@@ -287,25 +291,14 @@ class CheckpointConfig(_Section):
             p.append("checkpoint.exit_on_missing_checkpoint needs checkpoint.load, save or local_dir")
         return p
 
-    def _memory_step_problems(self) -> list[str]:
-        m, local = self.memory_save_interval, self.local_save_interval
-        if m is None or m < 1:
-            return [] if m is None else [f"checkpoint.memory_save_interval={m}: must be >= 1 iterations, or null"]
-        if self.local_dir is None:
-            return [f"checkpoint.memory_save_interval={m} needs checkpoint.local_dir (memory steps belong to the LOCAL tier)"]
-        if isinstance(local, int) and local >= 1 and m % local == 0:
-            return [f"checkpoint.memory_save_interval={m} is a multiple of checkpoint.local_save_interval={local}: every "
-                    "memory step falls on a LOCAL file save and none is ever taken; use a smaller interval (e.g. 1)"]
-        return []
-
     def path_problems(self) -> list[str]:
         """The checkpoint directories as this process sees them: ``save`` and ``local_dir``
-        creatable and writable, ``load`` readable. Checked before any rank starts work, not deep
+        creatable and writable (and ``memory_dir``), ``load`` readable. Checked before any rank starts work, not deep
         inside a save. They can differ between nodes (a node-local disk, a mount missing on one
         node), so with several ranks every rank checks its own and the ranks agree
         (:func:`tierstack.training.setup` after the process groups exist)."""
         p = []
-        for name in ("save", "local_dir"):
+        for name in ("save", "local_dir", "memory_dir"):
             problem = writable_dir_problem(getattr(self, name))
             if problem:
                 p.append(f"checkpoint.{name}={getattr(self, name)}: {problem}")

@@ -191,6 +191,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     from nvidia_resiliency_ext import inprocess
     from nvidia_resiliency_ext.inprocess.rank_assignment import RankDiscarded
 
+    from tierstack.checkpointing import local_memory
     from tierstack.runtime import has_gpu
 
     spare = int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks
@@ -249,9 +250,12 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             return rank_slot.DISCARDED
         except RestartLimitReached as e:  # the job ends: one line, not a traceback; the launcher's restart follows
             log.error("rank %s stops: %s", os.environ.get("RANK"), e)
+            if isinstance(e, AgreedStop):  # no restart resumes it: node memory is given back
+                local_memory.release()
             return e.exit_status
         finally:
             liveness.close()
+    local_memory.release()  # the run is done: its memory step leaves the node's memory
     rank_slot.mark_done(job)
     return 0
 

@@ -72,6 +72,7 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
                 "logger.progress_bar=false", "logger.rank_log_dir=null", f"checkpoint.save={tmp}/global",
                 "checkpoint.load=null", f"checkpoint.local_dir={tmp}/local", "checkpoint.pretrained_checkpoint=null",
                 "checkpoint.replication_factor=1", "checkpoint.memory_save_interval=null",  # (in-process only)
+                "checkpoint.memory_dir=null",
                 "distributed.tensor_model_parallel_size=1", "distributed.pipeline_model_parallel_size=1",
                 "train.train_iters=1", "train.eval_interval=null", "train.exit_interval=null",
                 f"train.global_batch_size={config.train.micro_batch_size}", "mlflow=null", "wandb=null",

@@ -8,6 +8,7 @@ next optimizer step changes in place).
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Sequence
 
@@ -44,7 +45,8 @@ def region_layout(likes: Sequence[torch.Tensor], align: int = ALIGN_BYTES) -> tu
     return offsets, total
 
 
-def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None) -> list[torch.Tensor]:
+def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None,
+                       path: str | None = None) -> list[torch.Tensor]:
     """Contiguous host tensors of ``likes``' shapes and dtypes, carved from one region.
 
     ``pin`` (default: when a GPU is in use): the region is page-locked once, with
@@ -55,12 +57,22 @@ def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None
     CPU tensor whose storage is larger than the tensor, never clones one. The region is unpinned
     and freed when the last buffer is gone.
 
+    ``path``: the region is a shared mapping of this new file (:func:`region_layout`'s size, in
+    bytes) instead of anonymous memory; in a tmpfs (``/dev/shm``) its bytes outlive the process
+    (``checkpoint.memory_dir``). The file is removed when the region is freed (its last buffer
+    gone) or at a normal exit, not when the process is killed.
+
     Raises:
         RuntimeError: ``cudaHostRegister`` failed (the CUDA error code is in the message).
+        OSError: ``path`` could not be created or sized (e.g. ENOSPC in the tmpfs).
     """
     pin = has_gpu() if pin is None else pin
     offsets, total = region_layout(likes)
-    region = numpy.empty(max(total, 1), dtype=numpy.uint8)
+    if path is None:
+        region = numpy.empty(max(total, 1), dtype=numpy.uint8)
+    else:
+        region = numpy.memmap(path, dtype=numpy.uint8, mode="w+", shape=(max(total, 1),))
+        weakref.finalize(region, unlink_quietly, path)
     if pin and total:
         ptr = region.ctypes.data
         cudart = torch.cuda.cudart()
@@ -68,6 +80,21 @@ def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {total} bytes of staging memory failed (error {int(err)})")
         weakref.finalize(region, cudart.cudaHostUnregister, ptr)
+    return carve(region, likes, offsets)
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; a file already gone (or not removable) is not an error."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def carve(region: numpy.ndarray, likes: Sequence, offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Tensors of ``likes``' shapes and dtypes (tensors, or anything with ``shape``, ``dtype``,
+    ``numel()`` and ``element_size()``) viewing ``region`` (uint8) at ``offsets`` (bytes; see
+    :func:`region_layout`); each keeps the region alive. Empty ones get storage of their own."""
     out = []
     for t, off in zip(likes, offsets):
         n = t.numel() * t.element_size()

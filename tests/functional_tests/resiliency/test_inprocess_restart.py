@@ -6,13 +6,16 @@ spare, and the job ends with the losses of an uninterrupted run, bit for bit. Wi
 ``torchrun --max-restarts`` takes over (the outer layer). With a memory step every iteration
 (``checkpoint.memory_save_interval=1``) a rank that raises costs only the step in flight (resumed
 from 11, in memory); a killed one still costs the steps since the file (its spare holds no memory
-step: every rank resumes the file of step 10).
+step: every rank resumes the file of step 10), unless the memory steps are in the node's shared
+memory (``checkpoint.memory_dir``): then the spare adopts the dead process's and resumes 11 too.
 
 Each scenario prints its fail -> first step time (the fault's unix time to the end of the first
 step after the restart; under ``-s``), the number the README reports.
 """
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -123,6 +126,29 @@ def test_with_memory_steps_a_killed_rank_resumes_every_rank_from_the_file_step(t
     records, _ = _check(tmp_path, uninterrupted, "kill", resumed=10, in_memory=(), extra=MEMORY_STEPS)
     pids = [x["pid"] for x in records[1]]
     assert pids[0] != pids[-1]
+
+
+@pytest.fixture
+def node_memory_dir():
+    with tempfile.TemporaryDirectory(prefix="tierstack-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        yield Path(d)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_with_memory_steps_in_node_memory_a_replaced_rank_loses_only_the_step_in_flight(tmp_path, uninterrupted,
+                                                                                        node_memory_dir, fault):
+    """With ``checkpoint.memory_dir`` the memory steps live in the node's shared memory: the spare
+    that takes rank 1 after its process was killed (or hung, then killed) adopts the memory step 11
+    the dead process left there, so every rank resumes 11 from memory, as after a raise. At the end
+    nothing of the job is left in the node's memory."""
+    extra = [*MEMORY_STEPS, f"checkpoint.memory_dir={node_memory_dir}"]
+    records, _ = _check(tmp_path, uninterrupted, fault, resumed=11, in_memory=(0, 1), extra=extra)
+    pids = [x["pid"] for x in records[1]]
+    assert pids[0] != pids[-1]  # the spare took rank 1
+    assert "rank 1: adopted memory step 11 from node memory" in (tmp_path / fault / "run" / "logs" / "rank1.log").read_text()
+    assert not list((tmp_path / fault / "run" / "local").glob("*/iter_0000011_*"))  # never a file
+    assert [p for p in node_memory_dir.rglob("*") if p.is_file()] == []
 
 
 @pytest.mark.slow

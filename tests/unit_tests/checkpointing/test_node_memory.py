@@ -1,0 +1,162 @@
+"""Memory steps in the node's shared memory (``checkpoint.memory_dir``): the staging sets are files
+in a tmpfs, the held memory step has a record beside them, and a new process of the same rank
+adopts it after the one holding it died (single process, real megatron-core state dicts, real files
+in /dev/shm; a "new process" is this one with its held step dropped and its set files kept)."""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstack.checkpointing import local_file, local_memory, node_memory
+from tierstack.checkpointing.staging import Stager
+from tierstack.config.sections import CheckpointConfig
+
+TOPOLOGY = {"world_size": 1}
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    monkeypatch.setattr(local_memory, "_enabled", True)
+    monkeypatch.setattr(local_memory, "_held", None)
+    yield
+    local_memory.forget()
+
+
+@pytest.fixture(autouse=True)
+def gloo_group(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def shm():
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="tierstack-test-", dir=base) as d:
+        yield Path(d)
+
+
+def _tasd(value: float):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.full((64, 8), value)),
+          "b": ShardedTensor.from_rank_offsets("b", torch.full((8,), value).to(torch.bfloat16)),
+          "common": {"iteration": int(value)}}
+    return MCoreTensorAwareStateDict.from_state_dict(sd, algo="atomic")[0]
+
+
+def _template():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8)),
+            "b": ShardedTensor.from_rank_offsets("b", torch.zeros(8, dtype=torch.bfloat16)), "common": {}}
+
+
+def _memory_step(stager, step: int, root: Path):
+    """Stage ``step`` and seal it as a memory step (what LocalTier.save(in_memory=True) does)."""
+    tasd = _tasd(float(step))
+    bufs = stager.stage(tasd.pop_tensors())
+    local_memory.note_staged(stager, step, local_file.encode_header(tasd, bufs))
+    local_memory.note_sealed(stager, step=step, run_id="r", rank=0, root=root, topology=TOPOLOGY,
+                             manifest={"step": step, "run_id": "r", "in_memory": True})
+
+
+def _files(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def test_a_new_process_of_the_rank_adopts_the_memory_step_the_dead_one_held(tmp_path, memory, shm):
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)
+    _memory_step(stager, 12, tmp_path)
+    assert "held" in _files(node_dir) and len([f for f in _files(node_dir) if f.startswith("set-")]) == 2
+    expected = local_memory.decode(local_memory.held(), tmp_path / "x").to_state_dict(_template(), algo="atomic")
+    local_memory._held = None  # the process died: what it held in its own memory is gone; node memory stays
+    cand = local_memory.memory_candidate("r", 0, tmp_path, TOPOLOGY, tmp_path / "rank_dir", node_dir)
+    assert cand is not None and cand.step == 12 and cand.extra == {"in_memory": True}
+    h = local_memory.match(12, "r", 0, tmp_path, TOPOLOGY)
+    assert h is not None and h.manifest["step"] == 12
+    got = local_memory.decode(h, tmp_path / "x").to_state_dict(_template(), algo="atomic")
+    assert torch.equal(got["w"], expected["w"]) and torch.equal(got["b"], expected["b"])
+    assert float(got["w"][0, 0]) == 12.0
+    # another rank, root or topology never adopts it
+    local_memory._held = None
+    assert local_memory.memory_candidate("r", 0, tmp_path, {"world_size": 2}, tmp_path, node_dir) is None
+    assert "held" not in _files(node_dir)  # of another topology: never resumable from this directory, removed
+
+
+def test_the_record_always_names_a_set_that_is_not_refilled(tmp_path, memory, shm):
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)
+    tasd = _tasd(99.0)  # staged, never sealed (a rank died during the agreement): the other set
+    stager.stage(tasd.pop_tensors())
+    local_memory._held = None
+    meta, header, buffers, _ = node_memory.adopt(node_dir)
+    assert meta["step"] == 11 and float(buffers[0][0, 0]) == 11.0
+
+
+def test_a_newer_file_step_or_forget_removes_the_record(tmp_path, memory, shm):
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)
+    tasd = _tasd(15.0)
+    bufs = stager.stage(tasd.pop_tensors())
+    local_memory.note_staged(stager, 15, local_file.encode_header(tasd, bufs))
+    local_memory.note_sealed(stager, step=15, run_id="r", rank=0, root=tmp_path, topology=TOPOLOGY)  # a file step
+    assert local_memory.held().step == 15 and "held" not in _files(node_dir)  # step 11's set may be refilled now
+    _memory_step(stager, 16, tmp_path)
+    assert "held" in _files(node_dir)
+    local_memory.forget_newer(15)  # a rewind, or a resume of an older step
+    assert "held" not in _files(node_dir)
+
+
+def test_release_removes_every_file_of_the_process(tmp_path, memory, shm):
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)
+    _memory_step(stager, 12, tmp_path)
+    local_memory.release()
+    assert _files(node_dir) == []
+
+
+def test_a_dead_processs_sets_are_swept_except_the_one_its_record_names(tmp_path, memory, shm):
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    node_dir.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    for n in (0, 1):
+        (node_dir / f"set-{pid}-{n}.bin").write_bytes(b"x")
+    node_memory.write_record(node_dir, step=3, run_id="r", rank=0, root=str(tmp_path), topology=TOPOLOGY,
+                             manifest={}, header=b"h", buffers=[torch.zeros(1, dtype=torch.uint8)],
+                             file=str(node_dir / f"set-{pid}-1.bin"))
+    node_memory.allocate([torch.zeros(4)], node_dir)
+    names = _files(node_dir)
+    assert f"set-{pid}-0.bin" not in names and f"set-{pid}-1.bin" in names and "held" in names
+
+
+def test_a_record_whose_set_file_is_gone_or_truncated_is_not_adopted(tmp_path, memory, shm):
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)
+    set_file = node_dir / node_memory.read_record(node_dir)[0]["file"]
+    os.truncate(set_file, 100)
+    local_memory._held = None
+    assert local_memory.memory_candidate("r", 0, tmp_path, TOPOLOGY, tmp_path, node_dir) is None
+    assert "held" not in _files(node_dir)
+    (node_dir / "held").write_bytes(b"not a record")
+    assert node_memory.adopt(node_dir) is None
+
+
+def test_the_config_refuses_memory_dir_without_memory_steps_or_relative():
+    problems = CheckpointConfig(memory_dir="shm").problems()
+    assert any("checkpoint.memory_dir=shm is set but checkpoint.memory_save_interval is not" in p for p in problems)
+    assert any("checkpoint.memory_dir=shm: give an absolute path" in p for p in problems)
+    assert CheckpointConfig(memory_dir="/dev/shm/x", memory_save_interval=1, local_dir="/tmp/l").problems() == []
