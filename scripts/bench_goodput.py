@@ -113,8 +113,11 @@ def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOC
     step in flight, and every step pays a LOCAL save (README, "In-process restart").
     ``inprocess_memory_every``: their memory-step interval (``checkpoint.memory_save_interval``,
     ``--inprocess-memory-every``; 0: none): a step staged into host memory with no file, which a
-    rank that raised resumes with its healthy peers (at most the step in flight lost); a replaced
-    rank holds none, so a kill still resumes the last file step.
+    rank that raised resumes with its healthy peers (at most the step in flight lost). Their buffers
+    are in node memory (``checkpoint.memory_dir`` under ``--local-root``, a tmpfs by default), so
+    the spare that replaces a killed rank adopts the dead process's memory step: a kill loses at
+    most the step in flight too. (A lost node would take that memory with it: its ranks resume
+    the last file step.)
     """
     g = f"checkpoint.save_interval={global_every}"
     local = [g, f"checkpoint.local_save_interval={LOCAL_EVERY}"]
@@ -233,6 +236,8 @@ def _run(name: str, row: Row, args, work: Path, faults: bool, injector=None) -> 
         rng = random.Random(args.seed)
         injector = lambda run, stop: _inject(run, args.fault_every_s, rng, row, stop, kills,  # noqa: E731
                                              args.iterations)
+    if any(o.startswith("checkpoint.memory_save_interval=") for o in row.overrides):  # in node memory (a tmpfs by
+        overrides.append(f"checkpoint.memory_dir={args.local_root / name / 'node_memory'}")  # default): spares adopt them
     limit_s = args.limit_s
     if name == "none" and limit_s is not None and args.reference_s is not None:
         limit_s = min(limit_s, NONE_LIMIT_FACTOR * args.reference_s)
