@@ -108,7 +108,14 @@ class MemoryStager(Stager):
     def _allocate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if self.node_dir is None:
             return super()._allocate(tensors)
-        buffers, self._file = node_memory.allocate(tensors, self.node_dir)
+        try:
+            buffers, self._file = node_memory.allocate(tensors, self.node_dir)
+        except OSError as e:  # a full tmpfs (ENOSPC): this set in the process's memory, not adoptable
+            log.warning("%s staging: no room in checkpoint.memory_dir (%s: %s); this buffer set is in the "
+                        "process's own memory, so a replacement of this process cannot adopt its memory steps",
+                        self.name, self.node_dir, e)
+            self._file = None
+            return super()._allocate(tensors)
         return buffers
 
     def _busy(self, buffers: list) -> bool:

@@ -81,7 +81,13 @@ def allocate(likes: Sequence[torch.Tensor], directory: Path) -> tuple[list[torch
     directory.mkdir(parents=True, exist_ok=True)
     _sweep(directory)
     path = str(directory / f"set-{os.getpid()}-{next(_counter)}.bin")
-    buffers = runtime.empty_host_buffers(likes, path=path)
+    try:
+        buffers = runtime.empty_host_buffers(likes, path=path)
+    except RuntimeError as e:  # page-locking a shared mapping refused (a driver or file system that cannot)
+        log.warning("node-memory staging set %s not page-locked (%s): device-to-host copies into it are "
+                    "slower", path, e)
+        path = str(directory / f"set-{os.getpid()}-{next(_counter)}.bin")  # (the first file goes with its region)
+        buffers = runtime.empty_host_buffers(likes, path=path, pin=False)
     _mine.add(path)
     return buffers, path
 
@@ -174,12 +180,13 @@ def _alive(pid: int) -> bool:
 
 
 def _sweep(directory: Path) -> None:
-    """Remove set files of processes that are gone, except the one the record names."""
+    """Remove set files (and half-written records) of processes that are gone, except the set the
+    record names."""
     got = read_record(directory)
     named = None if got is None else got[0].get("file")
-    for p in directory.glob("set-*.bin"):
+    for p in [*directory.glob("set-*.bin"), *directory.glob(f".{RECORD}.*.tmp")]:
         try:
-            pid = int(p.name.split("-")[1])
+            pid = int(p.name.split("-")[1] if p.name.startswith("set-") else p.name.split(".")[2])
         except (IndexError, ValueError):
             continue
         if p.name != named and pid != os.getpid() and not _alive(pid):

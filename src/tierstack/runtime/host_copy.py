@@ -60,7 +60,8 @@ def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None
     ``path``: the region is a shared mapping of this new file (:func:`region_layout`'s size, in
     bytes) instead of anonymous memory; in a tmpfs (``/dev/shm``) its bytes outlive the process
     (``checkpoint.memory_dir``). The file is removed when the region is freed (its last buffer
-    gone) or at a normal exit, not when the process is killed.
+    gone) or at a normal exit, not when the process is killed. Its bytes are reserved when it is
+    created (``posix_fallocate``), so a full tmpfs raises ``OSError`` (ENOSPC) here.
 
     Raises:
         RuntimeError: ``cudaHostRegister`` failed (the CUDA error code is in the message).
@@ -71,7 +72,15 @@ def empty_host_buffers(likes: Sequence[torch.Tensor], *, pin: bool | None = None
     if path is None:
         region = numpy.empty(max(total, 1), dtype=numpy.uint8)
     else:
-        region = numpy.memmap(path, dtype=numpy.uint8, mode="w+", shape=(max(total, 1),))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:  # reserved now: a sparse file in a full tmpfs would SIGBUS at the first copy, not raise
+            os.posix_fallocate(fd, 0, max(total, 1))
+        except OSError:
+            os.close(fd)
+            unlink_quietly(path)
+            raise
+        os.close(fd)
+        region = numpy.memmap(path, dtype=numpy.uint8, mode="r+", shape=(max(total, 1),))
         weakref.finalize(region, unlink_quietly, path)
     if pin and total:
         ptr = region.ctypes.data

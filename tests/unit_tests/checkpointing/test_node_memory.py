@@ -160,3 +160,22 @@ def test_the_config_refuses_memory_dir_without_memory_steps_or_relative():
     assert any("checkpoint.memory_dir=shm is set but checkpoint.memory_save_interval is not" in p for p in problems)
     assert any("checkpoint.memory_dir=shm: give an absolute path" in p for p in problems)
     assert CheckpointConfig(memory_dir="/dev/shm/x", memory_save_interval=1, local_dir="/tmp/l").problems() == []
+
+
+def test_a_full_memory_dir_keeps_memory_steps_in_the_process_with_a_warning(tmp_path, memory, shm, monkeypatch, caplog):
+    """A tmpfs without room (ENOSPC from the reservation; a sparse file would SIGBUS at the first
+    copy instead): the set is allocated in the process's memory, the memory step is still held
+    in-process, and no record names a set that is not in node memory."""
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    with caplog.at_level("WARNING"):
+        _memory_step(stager, 11, tmp_path)
+    assert local_memory.held().step == 11 and local_memory.held().record_dir is None
+    assert _files(node_dir) == []
+    assert "no room in checkpoint.memory_dir" in caplog.text
