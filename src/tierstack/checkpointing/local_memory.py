@@ -238,9 +238,19 @@ def adopt(node_dir: Path, rank: int, root: Any, topology: dict) -> Optional[Held
     if got is None:
         return None
     meta, header, buffers, file = got
+    problem = None
     if meta["rank"] != rank or meta["root"] != str(root) or meta["topology"] != dict(topology):
-        log.warning("rank %d: the memory step %s in %s is of another rank, root or topology; removed",
-                    rank, meta["step"], node_dir)
+        problem = "it is of another rank, LOCAL root or topology"
+    else:
+        from tierstack.checkpointing import local_file
+
+        try:  # the header too: a step that cannot be decoded must not stop every restart that adopts it
+            local_file.decode_parts(header, list(buffers), node_dir / node_memory.RECORD)
+        except Exception as e:  # noqa: BLE001 - whatever the decoder raises, the file step is resumed instead
+            problem = f"its header does not decode ({type(e).__name__}: {e})"
+    if problem is not None:
+        log.warning("rank %d: the memory step %s in %s is not adopted: %s; removed", rank, meta["step"], node_dir,
+                    problem)
         node_memory.remove_record(node_dir)
         return None
     _held = HeldStep(meta["step"], meta["run_id"], rank, str(root), dict(topology), header, buffers,

@@ -30,10 +30,12 @@ import itertools
 import json
 import logging
 import os
+import re
 import weakref
 from pathlib import Path
 from typing import Optional, Sequence
 
+import crc32c
 import numpy
 import torch
 
@@ -76,9 +78,16 @@ def allocate(likes: Sequence[torch.Tensor], directory: Path) -> tuple[list[torch
     (or at a normal exit). Leftovers of dead processes that no record names are removed first.
 
     Raises:
-        OSError: the file could not be created or sized (ENOSPC: the tmpfs is full).
+        OSError: the file could not be created or sized (ENOSPC: the tmpfs is full); PermissionError
+            when a directory on the way is not this user's alone (created by another user first).
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.parent.parent.mkdir(parents=True, exist_ok=True)  # memory_dir (the config checked it is writable)
+    for d in (directory.parent, directory):
+        d.mkdir(mode=0o700, exist_ok=True)
+        try:
+            _owned(d)
+        except RecordError as e:  # another user's directory: never put this job's state there
+            raise PermissionError(str(e)) from None
     _sweep(directory)
     path = str(directory / f"set-{os.getpid()}-{next(_counter)}.bin")
     try:
@@ -97,13 +106,31 @@ def release_files() -> None:
     from them; the mappings stay valid until their buffers are freed)."""
     for path in list(_mine):
         unlink_quietly(path)
+        for d in (Path(path).parent, Path(path).parent.parent):  # the rank's and the root's directory, once empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
     _mine.clear()
+
+
+def checksum(meta: dict, header: bytes, buffers: Sequence[torch.Tensor]) -> int:
+    """CRC-32C (the LOCAL files' algorithm, :mod:`~tierstack.checkpointing.manifest`) of a record's
+    description (without its ``crc32c``), its header and the buffers' bytes, in order (about 1 ms
+    for 18 MiB on this machine's CPU)."""
+    described = {k: v for k, v in meta.items() if k != "crc32c"}
+    crc = crc32c.crc32c(header, crc32c.crc32c(json.dumps(described, sort_keys=True).encode()))
+    for b in buffers:
+        if b.numel():
+            crc = crc32c.crc32c(memoryview(b.reshape(-1).view(torch.uint8).numpy()), crc)
+    return crc
 
 
 def write_record(directory: Path, *, step: int, run_id: str, rank: int, root: str, topology: dict,
                  manifest: dict, header: bytes, buffers: Sequence[torch.Tensor], file: str) -> None:
-    """Describe the sealed memory step ``step``, held in ``buffers`` (the set in ``file``), so that
-    a process taking this rank after this one died can adopt it. Atomic (write, then rename).
+    """Describe the sealed memory step ``step``, held in ``buffers`` (the set in ``file``), with
+    their :func:`checksum`, so that a process taking this rank after this one died can adopt it.
+    Atomic (write, then rename).
 
     Raises:
         OSError: the record could not be written (the old one, if any, is removed then).
@@ -111,6 +138,7 @@ def write_record(directory: Path, *, step: int, run_id: str, rank: int, root: st
     meta = {"step": step, "run_id": run_id, "rank": rank, "root": root, "topology": topology,
             "manifest": manifest, "file": Path(file).name,
             "layout": [[list(b.shape), str(b.dtype).removeprefix("torch.")] for b in buffers]}
+    meta["crc32c"] = checksum(meta, header, buffers)
     body = json.dumps(meta).encode()
     tmp = directory / f".{RECORD}.{os.getpid()}.tmp"
     try:
@@ -128,45 +156,87 @@ def remove_record(directory: Path) -> None:
     unlink_quietly(str(directory / RECORD))
 
 
+class RecordError(ValueError):
+    """A node-memory record, or the set it names, that must not be adopted (the reason is the message)."""
+
+
+_SET_NAME = re.compile(r"set-\d+-\d+\.bin")
+_FIELDS = {"step": int, "run_id": str, "rank": int, "root": str, "topology": dict, "manifest": dict, "file": str,
+           "crc32c": int, "layout": list}
+
+
 def read_record(directory: Path) -> Optional[tuple[dict, bytes]]:
-    """``(meta, header)`` of the record in ``directory``, or None (none, or not a complete record)."""
+    """``(meta, header)`` of the record in ``directory``; None when there is none.
+
+    Raises:
+        RecordError: it is not a complete record of this format (a field missing or of the wrong
+            type, a set file name that is not a plain ``set-<pid>-<n>.bin`` of this directory).
+    """
     try:
         data = (directory / RECORD).read_bytes()
-    except OSError:
+    except FileNotFoundError:
         return None
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
-        return None
-    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+    except OSError as e:
+        raise RecordError(f"unreadable ({e})") from e
     start = len(MAGIC) + 8
+    if not data.startswith(MAGIC) or len(data) < start:
+        raise RecordError("not a tierstack node-memory record")
+    n = int.from_bytes(data[len(MAGIC):start], "little")
     try:
-        return json.loads(data[start:start + n]), data[start + n:]
-    except ValueError:
-        return None
+        meta = json.loads(data[start:start + n])
+    except ValueError as e:
+        raise RecordError(f"its description does not parse ({e})") from e
+    bad = [k for k, t in _FIELDS.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
+    if bad:
+        raise RecordError(f"field(s) {', '.join(bad)} missing or of the wrong type")
+    if not _SET_NAME.fullmatch(meta["file"]):
+        raise RecordError(f"set file name {meta['file']!r} is not a set file of this directory")
+    return meta, data[start + n:]
+
+
+def _owned(path: Path) -> None:
+    st = path.stat()
+    if st.st_uid != os.getuid() or (path.is_dir() and st.st_mode & 0o022):
+        raise RecordError(f"{path} is not this user's alone (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
 
 
 def adopt(directory: Path) -> Optional[tuple[dict, bytes, tuple, str]]:
     """The memory step a previous process of this rank left in ``directory``: ``(meta, header,
-    buffers, file)``, the buffers mapping its set file (removed when they are freed); None when
-    there is none, or its set file is gone or of the wrong size (the record is removed then)."""
-    got = read_record(directory)
-    if got is None:
-        return None
-    meta, header = got
-    path = directory / meta["file"]
-    likes = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for shape, dtype in meta["layout"]]
-    offsets, total = region_layout(likes)
+    buffers, file)``, the buffers mapping its set file (removed when they are freed), its bytes
+    checked against the record's checksum; None when there is none, or when it must not be
+    adopted (logged, with the reason; the record is removed then, unless the directory is not
+    this user's alone, which is not touched)."""
     try:
+        _owned(directory.parent)
+        _owned(directory)
+    except FileNotFoundError:
+        return None
+    except RecordError as e:
+        log.warning("node memory %s not used: %s", directory, e)
+        return None
+    try:
+        got = read_record(directory)
+        if got is None:
+            return None
+        meta, header = got
+        path = directory / meta["file"]
+        _owned(path)
+        likes = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for shape, dtype in meta["layout"]]
+        offsets, total = region_layout(likes)
         if path.stat().st_size != max(total, 1):
-            raise OSError(f"{path.stat().st_size} bytes, {max(total, 1)} expected")
+            raise RecordError(f"its set file has {path.stat().st_size} bytes, {max(total, 1)} expected")
         region = numpy.memmap(path, dtype=numpy.uint8, mode="r+", shape=(max(total, 1),))
         weakref.finalize(region, unlink_quietly, str(path))  # this process's now: freed with the step
-    except (OSError, ValueError) as e:
-        log.warning("rank %s: the memory step %s left in node memory is unusable (%s); removed",
-                    meta.get("rank"), meta.get("step"), e)
+        _mine.add(str(path))
+        buffers = tuple(carve(region, likes, offsets))
+        if checksum(meta, header, buffers) != meta["crc32c"]:
+            raise RecordError("the record and its set's bytes do not match the record's checksum (damaged)")
+    except (RecordError, OSError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        log.warning("rank %s: the memory step left in node memory (%s) is not adopted: %s; removed",
+                    directory.name.removeprefix("rank"), directory / RECORD, e)
         remove_record(directory)
         return None
-    _mine.add(str(path))
-    return meta, header, tuple(carve(region, likes, offsets)), str(path)
+    return meta, header, buffers, str(path)
 
 
 def _alive(pid: int) -> bool:

@@ -39,10 +39,13 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from tierstack.config import ConfigContainer, ConfigError
-from tierstack.resiliency import rank_slot, warm_spare
+from tierstack.resiliency import rank_slot, restarts, signals, warm_spare
 from tierstack.runtime import attempt_store
 
 log = logging.getLogger(__name__)
+
+STOPPED_KEY = "planned_exit_served"  # in the job store: a run ended with a planned exit (its reason)
+_attempt = 0  # this process's current in-process restart number (restart_number)
 
 _ROOT = "tierstack/inprocess"
 MONITOR_PROCESS_INTERVAL_S = 0.1  # how often each rank's monitor process looks at its rank (a death)
@@ -212,7 +215,12 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     ranks = int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks  # what the run trains on
 
     def attempt(call_wrapper=None):
-        n = call_wrapper.iteration
+        global _attempt
+        n = _attempt = call_wrapper.iteration
+        if n and job.check([STOPPED_KEY]):  # a planned exit ended the run: a restart after it must not train on
+            log.warning("in-process restart %d: not training again: the job already stopped (%s) and kept its "
+                        "last checkpoint", n, job.get(STOPPED_KEY).decode())
+            return None
         if n > limit:
             raise RestartLimitReached(f"{n} in-process restarts: more than resiliency.max_in_process_restarts={limit}")
         if int(os.environ["WORLD_SIZE"]) < ranks:  # never a silently smaller data-parallel world
@@ -225,6 +233,8 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
                         os.environ.get("WORLD_SIZE"), os.getpid(), "" if aborted is None else
                         f" ({time.time() - aborted:.2f} s after its abort began, of which "
                         f"{_timeline['abort_end'] - aborted:.2f} s releasing the process groups)")
+        if n and signals.unserved_stop() is not None:  # asked to stop, but that run's last checkpoint failed
+            signals.hold_stop(signals.unserved_stop())
         attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
         _watch.begin(call_wrapper)
         try:
@@ -238,6 +248,8 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         finally:
             _watch.end()
             attempt_store.use_attempt_store(None)
+            if signals.served_stop() is not None:  # seen by every rank of any later attempt, spares included
+                job.set(STOPPED_KEY, signals.served_stop())
 
     attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
     with inprocess.CallWrapper(wrapper) as call_wrapper:  # what ``wrapper(attempt)()`` does, with its watchdog at hand
@@ -250,7 +262,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             return rank_slot.DISCARDED
         except RestartLimitReached as e:  # the job ends: one line, not a traceback; the launcher's restart follows
             log.error("rank %s stops: %s", os.environ.get("RANK"), e)
-            if isinstance(e, AgreedStop):  # no restart resumes it: node memory is given back
+            if isinstance(e, AgreedStop) or not restarts.launcher_restarts_left():  # nothing resumes it: node memory given back
                 local_memory.release()
             return e.exit_status
         finally:
@@ -258,6 +270,12 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     local_memory.release()  # the run is done: its memory step leaves the node's memory
     rank_slot.mark_done(job)
     return 0
+
+
+def restart_number() -> int:
+    """The in-process restart this process's current attempt is (0: the first attempt, or no
+    in-process restart)."""
+    return _attempt
 
 
 class _Liveness:

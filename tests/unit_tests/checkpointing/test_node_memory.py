@@ -179,3 +179,48 @@ def test_a_full_memory_dir_keeps_memory_steps_in_the_process_with_a_warning(tmp_
     assert local_memory.held().step == 11 and local_memory.held().record_dir is None
     assert _files(node_dir) == []
     assert "no room in checkpoint.memory_dir" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["flip", "header", "layout", "step", "path", "foreign_dir"])
+def test_a_damaged_or_foreign_record_is_never_adopted(tmp_path, memory, shm, damage, caplog):
+    """Bytes flipped in the set (same size), a damaged header, a record without its layout or with
+    another step, a set file name outside the directory, a directory another user could write:
+    never adopted (the file step is resumed instead), said in one warning line, and never a
+    crash of the resume. Found by a break-it pass: a flipped set was adopted and trained on."""
+    import json as _json
+
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)
+    meta, header = node_memory.read_record(node_dir)
+    set_file = node_dir / meta["file"]
+    if damage == "flip":
+        with open(set_file, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "foreign_dir":
+        os.chmod(node_dir, 0o777)
+    else:
+        if damage == "header":
+            header = header[: len(header) // 2]
+        elif damage == "layout":
+            del meta["layout"]
+        elif damage == "step":
+            meta["step"] = 7
+        elif damage == "path":
+            outside = tmp_path / "victim.bin"
+            outside.write_bytes(set_file.read_bytes())
+            meta["file"] = str(outside)
+        body = _json.dumps(meta).encode()
+        (node_dir / "held").write_bytes(node_memory.MAGIC + len(body).to_bytes(8, "little") + body + header)
+    local_memory._held = None
+    with caplog.at_level("WARNING"):
+        assert local_memory.memory_candidate("r", 0, tmp_path, TOPOLOGY, tmp_path, node_dir) is None
+    assert "not adopted" in caplog.text or "not used" in caplog.text, caplog.text
+    assert local_memory.held() is None
+    if damage == "path":
+        assert (tmp_path / "victim.bin").exists()  # never mapped, never removed
+    if damage == "foreign_dir":
+        os.chmod(node_dir, 0o700)
