@@ -285,11 +285,14 @@ class CheckpointManager:
         chosen = (persistent or saving or [None])[0]
         return None if chosen is None else chosen.tier
 
-    def save_final(self, objs: TrainingObjects) -> None:
-        """Collective: keep the last state in :meth:`final_tier` unless that tier holds this step already."""
-        tier = self.final_tier()
-        if tier is not None and self._last_saved[tier] != objs.train_state.step:
+    def save_final(self, objs: TrainingObjects) -> bool:
+        """Collective: keep the last state in :meth:`final_tier` unless that tier holds this step already.
+        Returns False when its save of this step failed on some rank (as far as known now: an async
+        GLOBAL save reports at close); True otherwise, also when no tier saves."""
+        tier, step = self.final_tier(), objs.train_state.step
+        if tier is not None and self._last_saved[tier] != step:
             self.save(tier, objs)
+        return tier is None or (self._last_saved[tier] == step and step not in self._tiers[tier].failures)
 
     def _take_blocked(self) -> list:
         """Every rank alike: the saves whose staged state held NaN/inf, taken from the tiers; their

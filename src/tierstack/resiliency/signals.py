@@ -13,6 +13,8 @@ from tierstack.runtime import collectives
 log = logging.getLogger(__name__)
 
 _held: list[str] = []  # stop signals that came while a failed run unwound (see ExitRequest.restore)
+_served: list[str] = []  # the planned exit a run of this process ended with (see served_stop)
+_unserved: list[str] = []  # a stop request whose run returned without keeping its checkpoint (see unserved_stop)
 
 
 def _hold(signum, frame) -> None:
@@ -27,6 +29,32 @@ def held_stop_signal() -> Optional[str]:
     (:meth:`ExitRequest.restore` with an error), or None. The rank's exit path ends at once when
     one came (torchrun's agent stopping the workers) instead of waiting for it."""
     return _held[0] if _held else None
+
+
+def note_served(reason: str) -> None:
+    """The training loop stopped for ``reason`` (a planned exit, ``train.exit_interval``, the time
+    budget...) and its last checkpoint is kept: the job is done with this stop."""
+    _served.append(reason)
+
+
+def unserved_stop() -> Optional[str]:
+    """A stop request that the last run of this process returned with, without keeping its last
+    checkpoint (its save failed); None otherwise. An in-process restart holds it
+    (:func:`hold_stop`), so that the next attempt stops at its first step boundary and saves."""
+    return _unserved[-1] if _unserved else None
+
+
+def hold_stop(reason: str) -> None:
+    """The next :class:`ExitRequest` of this process starts with ``reason`` requested."""
+    if reason not in _held:
+        _held.append(reason)
+
+
+def served_stop() -> Optional[str]:
+    """The reason of the stop a run of this process ended with, its checkpoint kept
+    (:func:`note_served`); None when none did. An in-process restart after it must not train again
+    (:mod:`tierstack.resiliency.in_process`)."""
+    return _served[-1] if _served else None
 
 
 class ExitRequest:
@@ -107,7 +135,8 @@ class ExitRequest:
         if error is not None and self._requested == "SIGTERM" and not _held:
             _held.append("SIGTERM")  # it came while the run unwound: the exit path need not wait for it
         elif error is None:
-            _held.clear()  # a run that ended well served any stop request it took over
+            _held.clear()  # a run that ended well served any stop request it took over...
+            _unserved[:] = [self._requested] if self._requested is not None and not _served else []  # ...or not
         for sig, prev in self._previous.items():
             try:
                 signal.signal(sig, _hold if error is not None and sig == signal.SIGTERM else prev)

@@ -181,6 +181,7 @@ def _report_schedule(scheduler) -> None:
 
 
 def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextlib.ExitStack, register) -> SetupOutput:
+    from tierstack.resiliency import in_process
     from tierstack.resiliency.restarts import record_start
 
     from tierstack.checkpointing import CheckpointManager, TrainingObjects
@@ -195,7 +196,8 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
     tokenizer = build_tokenizer(cfg.tokenizer)
     # Before any run artifact (checkpoint directories, the mlflow run): bad data stops every rank here.
     check_training_data(cfg.dataset, tokenizer)
-    record_start(Path(cfg.logger.run_dir))  # job-wide restart count; stops a job past --max-restarts
+    if in_process.restart_number() == 0:  # an in-process restart is no launcher restart: not counted
+        record_start(Path(cfg.logger.run_dir))  # job-wide restart count; stops a job past --max-restarts
     provider = gpt_model_provider(cfg, model_vocab_size(cfg, tokenizer))
     model = build_model(cfg, provider)
     optimizer = build_optimizer(cfg, model)

@@ -10,6 +10,7 @@ from tierstack.observability.megatron_log import NAN_ITERS, SKIPPED_ITERS, track
 from tierstack import runtime
 from tierstack.observability.profiler import StepProfiler
 from tierstack.observability.timers import CHECKPOINT, EVAL, PhaseTimers
+from tierstack.resiliency import signals
 from tierstack.resiliency.time_budget import REASON_PREFIX as BUDGET_REASON, TimeBudget
 from tierstack.training.loop import BatchShape, evaluate, model_flops_per_iteration, train_step
 from tierstack.training.setup import SetupOutput
@@ -134,10 +135,12 @@ def train(
     finally:
         inst.profiler.close()  # a run that stops inside the window still writes its files
     with runtime.nvtx_range("checkpoint_final"):
-        s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
+        kept = s.checkpoint_manager.save_final(objs)  # the last state is always kept (GLOBAL when configured)
     if stop:
         log.warning("stopping at iteration %d: %s", ts.step, stop)
         s.loggers.set_tag("stop_reason", stop)
+        if kept:  # an in-process restart after this stop must not train on (resiliency.in_process)
+            signals.note_served(stop)
     return ts
 
 

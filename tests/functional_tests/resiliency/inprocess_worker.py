@@ -7,10 +7,12 @@ Runs ``tierstack.pretrain`` on the tiny GPT of ``nodes_worker.tiny_config`` thro
 ``OUT_DIR/losses_rank<r>.jsonl`` (``r``: the rank the process has in that attempt): step, loss as
 float hex (bit-identical comparisons), the process id and the unix time at the end of the step.
 
-Fault, once per launch (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
+Fault, once per step listed (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
 ``raise`` | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
-rank's optimizer: the next checkpoint's check finds it), on rank ``TIERSTACK_TEST_FAULT_RANK``
-after step ``TIERSTACK_TEST_FAULT_AT``. Before it every rank waits for the LOCAL save in flight
+rank's optimizer: the next checkpoint's check finds it) | ``term`` (SIGTERM to every active rank:
+a planned exit; once it has ended, rank 0 sends SIGTERM to the spares too and every rank waits
+3 s: the spares' deaths come after the run returned), on rank ``TIERSTACK_TEST_FAULT_RANK``
+after each step of ``TIERSTACK_TEST_FAULT_AT`` (comma-separated). Before it every rank waits for the LOCAL save in flight
 (``CheckpointManager.wait``, collective), so the step resumed from does not depend on the speed
 of the machine. The fault's unix time goes to ``OUT_DIR/fault.json``.
 """
@@ -35,7 +37,7 @@ def main() -> int:
     out = Path(sys.argv[1])
     cfg = tiny_config(sys.argv[2:])
     fault = os.environ.get("TIERSTACK_TEST_FAULT", "")
-    fault_at = int(os.environ.get("TIERSTACK_TEST_FAULT_AT", "0"))
+    fault_at = [int(x) for x in os.environ.get("TIERSTACK_TEST_FAULT_AT", "0").split(",")]
     fault_rank = int(os.environ.get("TIERSTACK_TEST_FAULT_RANK", "-1"))
     managers = []
     init = manager_module.CheckpointManager.__init__
@@ -59,12 +61,14 @@ def main() -> int:
         with open(out / f"losses_rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": ts.step, "loss": float(result.loss).hex(), "pid": os.getpid(),
                                 "t": time.time()}) + "\n")
-        if fault and ts.step == fault_at and not (out / "fault.fired").exists():
+        marker = out / ("fault.fired" if ts.step == fault_at[0] else f"fault.fired.{ts.step}")
+        if fault and ts.step in fault_at and not marker.exists():
             managers[-1].wait()  # collective: the LOCAL save in flight is sealed on every rank
             if rank != fault_rank:
                 return
-            os.close(os.open(out / "fault.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            (out / "fault.json").write_text(json.dumps({"fault": fault, "t": time.time(), "pid": os.getpid()}))
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            if not (out / "fault.json").exists():
+                (out / "fault.json").write_text(json.dumps({"fault": fault, "t": time.time(), "pid": os.getpid()}))
             print(f"FAULT {fault} on rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
             if fault == "raise":
                 raise RuntimeError(f"injected failure on rank {rank} after step {ts.step}")
@@ -74,13 +78,26 @@ def main() -> int:
                 opt = torch_optimizers(objs_seen[0].optimizer)[0]
                 opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].view(-1)[0] = float("inf")
                 return
+            if fault == "term":  # every active rank's process (rank 0's from its last record)
+                peer = json.loads((out / "losses_rank0.jsonl").read_text().splitlines()[-1])["pid"]
+                for pid in (peer, os.getpid()):
+                    os.kill(pid, signal.SIGTERM)
+                return
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
     def train(config):
         state = pretrain(config, on_step=on_step)
         if int(os.environ["RANK"]) == 0:
             print(f"FINAL step={state.step} resumed_from={state.resumed_from} pid={os.getpid()}", flush=True)
+        if fault == "term" and state.step < config.train.train_iters:  # every rank still in this attempt
+            if int(os.environ["RANK"]) == 0:
+                for p in out.glob("spare_*.pid"):
+                    os.kill(int(p.read_text()), signal.SIGTERM)
+            time.sleep(3.0)
         return state
+
+    if int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - cfg.resiliency.spare_ranks:
+        (out / f"spare_{os.environ['RANK']}.pid").write_text(str(os.getpid()))
 
     return in_process.run(cfg, train, rehearse=pretrain)  # the spare rehearses without on_step
 

@@ -27,7 +27,7 @@ ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks 
 
 
 def _launch(out: Path, fault: str = "", heartbeat_s: float = 2.0, spares: int = 1, launcher_args=(), extra=(),
-            fault_at: int = 12):
+            fault_at="12"):
     out.mkdir()
     run = out / "run"
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # gloo's and the store's per-poll warnings
@@ -179,6 +179,46 @@ def test_a_non_finite_state_with_on_nonfinite_stop_ends_the_job_without_restarts
     assert "rank 0 stops: NonFiniteError: step 12" in log and "not restarted in-process" in log, log[-6000:]
     assert "in-process restart 1" not in log
     assert [x["step"] for x in records[0]] == list(range(1, 13))
+
+
+@pytest.mark.slow
+def test_spare_replacements_after_a_launcher_restart_are_not_counted_as_launcher_restarts(tmp_path, uninterrupted,
+                                                                                          node_memory_dir):
+    """Under ``torchrun --max-restarts 1`` with one spare: a kill after step 8 (the spare takes rank
+    1), one after step 14 (no spare left: torchrun restarts the job, a new spare with it), one
+    after step 20 (that spare takes rank 1). Only the second is a launcher restart (found by a
+    break-it pass: every in-process attempt after a launcher restart counted as one more, so the
+    third kill ended the job with "restarted 2 times, more than --max-restarts=1"). The memory
+    steps are in node memory, so each resume, the launcher's included, takes the step before the kill."""
+    out = tmp_path / "three-kills"
+    proc, log, records = _launch(out, "kill", fault_at="8,14,20", launcher_args=["--max-restarts", "1"],
+                                 extra=[*MEMORY_STEPS, f"checkpoint.memory_dir={node_memory_dir}"])
+    assert proc.returncode == 0, log[-6000:]
+    assert json.loads((out / "run" / "restarts.json").read_text())["restarts"] == 1
+    assert "more than --max-restarts" not in log
+    assert "FINAL step=30 resumed_from=[7, 13, 19]" in log, log[-6000:]
+    for rank in (0, 1):
+        final = {x["step"]: x["loss"] for x in records[rank]}
+        assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
+
+
+@pytest.mark.slow
+def test_a_planned_exit_is_not_trained_past_when_the_spare_dies_of_the_same_sigterm(tmp_path):
+    """SIGTERM to torchrun after step 12: every rank (the spare too) gets it; the active ranks
+    agree, save GLOBAL and stop. The spare dies of it, which NVRx takes for a fault; the restart
+    that follows must not train again (found by a break-it pass: it resumed the planned exit's
+    checkpoint and trained on to the last iteration after the job was told to stop). When the
+    restart cuts the planned exit's save short, the stop request is held for the next attempt,
+    which resumes and stops after one step with its checkpoint kept."""
+    out = tmp_path / "term"
+    proc, log, records = _launch(out, "term", fault_at="12")
+    rank0 = (out / "run" / "logs" / "rank0.log").read_text()
+    stops = [int(line.split("stopping at iteration ")[1].split(":")[0]) for line in rank0.splitlines()
+             if "stopping at iteration " in line]
+    assert stops and 12 <= stops[0] and stops[-1] <= stops[0] + 1, log[-6000:]
+    for rank in (0, 1):  # the last step trained is the stop's (an earlier one when a cut-short save lost steps)
+        assert records[rank][-1]["step"] == stops[-1], rank
+    assert (out / "run" / "global" / f"iter_{stops[-1]:07d}" / "manifest.json").is_file(), log[-6000:]
 
 
 @pytest.mark.slow
