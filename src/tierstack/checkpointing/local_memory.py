@@ -66,6 +66,7 @@ class HeldStep:
 
 
 _held: Optional[HeldStep] = None
+_warned: set = set()  # (reason, directory) of node-memory problems already logged by this process
 
 
 def enable() -> None:
@@ -110,10 +111,13 @@ class MemoryStager(Stager):
             return super()._allocate(tensors)
         try:
             buffers, self._file = node_memory.allocate(tensors, self.node_dir)
-        except OSError as e:  # a full tmpfs (ENOSPC): this set in the process's memory, not adoptable
-            log.warning("%s staging: no room in checkpoint.memory_dir (%s: %s); this buffer set is in the "
-                        "process's own memory, so a replacement of this process cannot adopt its memory steps",
-                        self.name, self.node_dir, e)
+        except OSError as e:  # a full tmpfs (ENOSPC), another user's directory: in the process's memory
+            why = "not usable" if isinstance(e, PermissionError) else "no room"
+            if (why, str(self.node_dir)) not in _warned:  # once per process, not at every allocation and attempt
+                _warned.add((why, str(self.node_dir)))
+                log.warning("%s staging: checkpoint.memory_dir %s (%s: %s); memory steps stay in the process's "
+                            "own memory, so a replacement of this process cannot adopt them", self.name, why,
+                            self.node_dir, e)
             self._file = None
             return super()._allocate(tensors)
         return buffers

@@ -102,16 +102,21 @@ def allocate(likes: Sequence[torch.Tensor], directory: Path) -> tuple[list[torch
 
 
 def release_files() -> None:
-    """Remove every set file this process created or adopted (the run ended: nothing is resumed
-    from them; the mappings stay valid until their buffers are freed)."""
+    """Remove every set file this process created or adopted, and what dead processes of the same
+    ranks left there that no record names (the run ended: nothing is resumed from them; the
+    mappings stay valid until their buffers are freed); then the directories, once empty."""
+    dirs = {Path(p).parent for p in _mine}
     for path in list(_mine):
         unlink_quietly(path)
-        for d in (Path(path).parent, Path(path).parent.parent):  # the rank's and the root's directory, once empty
+    _mine.clear()
+    for d in dirs:
+        if d.is_dir():
+            _sweep(d)
+        for empty in (d, d.parent):  # the rank's and the root's directory
             try:
-                d.rmdir()
+                empty.rmdir()
             except OSError:
                 break
-    _mine.clear()
 
 
 def checksum(meta: dict, header: bytes, buffers: Sequence[torch.Tensor]) -> int:

@@ -8,7 +8,9 @@ only a slot: it forks the rank (imports are done before the fork, so the child s
 waits for it. A child that ends normally ends the slot with its status. A child that dies by a
 signal, or exits with :data:`DISCARDED` (the in-process restart took it out of the job), leaves the slot waiting, quietly, until the job is over (another rank, a warm spare, has
 taken its place), and the slot then exits 0; when the job fails instead, torchrun stops the slot
-together with the others.
+together with the others. A rank that dies after the slot passed it the launcher's SIGTERM or
+SIGINT (torchrun stopping the job) ends the slot at once: torchrun sends that signal once, and
+would wait its 30 s before a SIGKILL.
 
 "The job is over" is the key :data:`DONE_KEY` in the job's store, set by every rank whose wrapped
 training returned (:func:`mark_done`).
@@ -69,12 +71,20 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) != DISCARDED:
         return os.WEXITSTATUS(status)
     how = "was discarded" if os.WIFEXITED(status) else f"died by {signal.Signals(os.WTERMSIG(status)).name}"
+    if _forwarded:  # torchrun is stopping the job (it sends its SIGTERM once): no DONE_KEY will come
+        log.warning("rank slot %s: its rank (pid %d) %s after the launcher's %s; the slot stops too",
+                    os.environ.get("RANK", "?"), pid, how, signal.Signals(_forwarded[0]).name)
+        return 128 + _forwarded[0]
     log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it",
                 os.environ.get("RANK", "?"), pid, how)
     return wait_for_job(store)
 
 
+_forwarded: list[int] = []  # the stop signals this slot passed to its rank
+
+
 def _forward(child: int, signum: int) -> None:
+    _forwarded.append(signum)
     try:
         os.kill(child, signum)
     except ProcessLookupError:  # the rank is gone: the slot stops too

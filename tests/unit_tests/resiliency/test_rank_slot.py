@@ -1,0 +1,50 @@
+"""The rank slot (``resiliency/rank_slot.py``) in a real forked process: a rank that dies after the
+launcher's SIGTERM ends its slot at once (torchrun sends SIGTERM once and SIGKILLs 30 s later);
+a rank that dies on its own leaves the slot waiting for the job to finish."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+SLOT = textwrap.dedent("""
+    import sys, time
+    import torch.distributed as dist
+    from tierstack.resiliency import rank_slot
+    store = dist.HashStore()
+    def rank():
+        print("RANK UP", flush=True)
+        time.sleep(60)
+        return 0
+    sys.exit(rank_slot.run_in_slot(rank, store))
+""")
+
+
+def _slot():
+    proc = subprocess.Popen([sys.executable, "-c", SLOT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout.readline().strip() == "RANK UP"
+    return proc
+
+
+def test_a_rank_that_dies_after_the_launchers_sigterm_ends_its_slot_at_once():
+    proc = _slot()
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # what torchrun's agent does to every worker when it stops the job
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert time.monotonic() - t0 < 10
+    assert "after the launcher's SIGTERM; the slot stops too" in out, out
+
+
+def test_a_rank_that_dies_on_its_own_leaves_the_slot_waiting_for_the_job():
+    proc = _slot()
+    child = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(child, signal.SIGKILL)  # a dead rank: a spare takes its place, the slot waits for the job's end
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.communicate(timeout=3)
+    proc.kill()
+    proc.communicate()
