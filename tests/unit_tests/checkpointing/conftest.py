@@ -16,3 +16,14 @@ def gloo_group(tmp_path):
     torch.distributed.destroy_process_group()
     if not was_active:
         cpu_compat.deactivate()
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    """LOCAL steps held in host memory (``local_memory``) on, as under in-process restart; nothing held."""
+    from tierstack.checkpointing import local_memory
+
+    monkeypatch.setattr(local_memory, "_enabled", True)
+    monkeypatch.setattr(local_memory, "_held", None)
+    yield
+    local_memory.forget()

@@ -10,14 +10,6 @@ from tierstack.checkpointing.staging import Stager
 
 
 @pytest.fixture
-def memory(monkeypatch):
-    monkeypatch.setattr(local_memory, "_enabled", True)
-    monkeypatch.setattr(local_memory, "_held", None)
-    yield
-    local_memory.forget()
-
-
-@pytest.fixture
 def gloo_group(tmp_path):
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     yield

@@ -15,23 +15,14 @@ import torch
 from tierstack.checkpointing import local_file, local_memory, node_memory
 from tierstack.checkpointing.staging import Stager
 from tierstack.config.sections import CheckpointConfig
+from test_local_memory import _tasd, _template  # (this directory is on sys.path: pytest's rootdir import mode)
 
 TOPOLOGY = {"world_size": 1}
 
 
-@pytest.fixture
-def memory(monkeypatch):
-    monkeypatch.setattr(local_memory, "_enabled", True)
-    monkeypatch.setattr(local_memory, "_held", None)
-    yield
-    local_memory.forget()
-
-
 @pytest.fixture(autouse=True)
-def gloo_group(tmp_path):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+def _group(gloo_group):  # (conftest's 1-rank gloo group, for every test here)
     yield
-    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture
@@ -39,23 +30,6 @@ def shm():
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(prefix="tierstack-test-", dir=base) as d:
         yield Path(d)
-
-
-def _tasd(value: float):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
-
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.full((64, 8), value)),
-          "b": ShardedTensor.from_rank_offsets("b", torch.full((8,), value).to(torch.bfloat16)),
-          "common": {"iteration": int(value)}}
-    return MCoreTensorAwareStateDict.from_state_dict(sd, algo="atomic")[0]
-
-
-def _template():
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    return {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64, 8)),
-            "b": ShardedTensor.from_rank_offsets("b", torch.zeros(8, dtype=torch.bfloat16)), "common": {}}
 
 
 def _memory_step(stager, step: int, root: Path):
