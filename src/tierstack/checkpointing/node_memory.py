@@ -14,13 +14,17 @@ Layout, per LOCAL root (so that two jobs on a node never touch each other's file
     <memory_dir>/tierstack-<sha1 of the LOCAL root, 12 hex>/rank<R>/
         set-<pid>-<n>.bin   a staging set: the tensors' bytes at :func:`~tierstack.runtime.host_copy.region_layout`'s offsets
         held                the record: MAGIC, 8-byte length, JSON (step, run, rank, root, topology,
-                            manifest, set file, tensor shapes and dtypes), then the LOCAL header
+                            manifest, set file, tensor shapes and dtypes, CRC-32C), then the LOCAL header
 
 The record is replaced atomically (write, then rename), before the held step changes in memory,
 and names a set that the stager never refills while it is held (:class:`~tierstack.checkpointing.local_memory.MemoryStager`),
-so a record is always the complete state of a step sealed on every rank. A process removes its
-files when it frees a set or exits; what a killed process leaves is adopted or, once no record
-names it and its process is gone, removed at the next allocation in that directory.
+so a record is always the complete state of a step sealed on every rank. Before a step is adopted
+the record is checked (:func:`adopt`): its CRC-32C over the description, the header and the set's
+bytes, every field, a set file of its own directory, directories only this user can write; a
+record that fails is removed with one warning and the file step is resumed instead. A process
+removes its files when it frees a set or when the run ends (:func:`release_files`); what a killed
+process leaves is adopted or, once no record names it and its process is gone, removed at the
+next allocation in that directory or at the end of the run.
 """
 
 from __future__ import annotations
