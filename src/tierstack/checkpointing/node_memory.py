@@ -261,11 +261,14 @@ def _alive(pid: int) -> bool:
 def _sweep(directory: Path) -> None:
     """Remove set files (and half-written records) of processes that are gone, except the set the
     record names."""
-    got = read_record(directory)
+    try:
+        got = read_record(directory)
+    except RecordError:  # names nothing that could be adopted (an adoption removes it)
+        got = None
     named = None if got is None else got[0].get("file")
-    for p in [*directory.glob("set-*.bin"), *directory.glob(f".{RECORD}.*.tmp")]:
+    for p in [*directory.glob("set-*.bin"), *directory.glob(f".{RECORD}.tmp-*")]:
         try:
-            pid = int(p.name.split("-")[1] if p.name.startswith("set-") else p.name.split(".")[2])
+            pid = int(p.name.split("-")[1] if p.name.startswith("set-") else p.name.rsplit("-", 1)[1])
         except (IndexError, ValueError):
             continue
         if p.name != named and pid != os.getpid() and not _alive(pid):

@@ -105,6 +105,20 @@ def test_release_removes_every_file_of_the_process_and_what_dead_ones_left(tmp_p
     assert not node_dir.exists() and not node_dir.parent.exists()  # files gone, then the empty directories
 
 
+def test_a_malformed_record_does_not_stop_allocation_or_release(tmp_path, memory, shm):
+    """A record that does not parse names no set: the sweep of an allocation and the release at the
+    end of the run go on (the first raised the parser's RecordError, found reading the change again)."""
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    node_dir.mkdir(parents=True, mode=0o700)
+    (node_dir / "held").write_bytes(b"not a record")
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 11, tmp_path)  # allocates (sweeps), then replaces the record
+    assert node_memory.read_record(node_dir)[0]["step"] == 11
+    (node_dir / "held").write_bytes(b"not a record")
+    local_memory.release()
+    assert [p.name for p in node_dir.glob("set-*")] == []
+
+
 def test_a_dead_processs_sets_are_swept_except_the_one_its_record_names(tmp_path, memory, shm):
     node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
     node_dir.mkdir(parents=True)
