@@ -44,6 +44,7 @@ import numpy
 import torch
 
 from tierstack import runtime
+from tierstack.checkpointing import paths
 from tierstack.runtime.host_copy import carve, region_layout, unlink_quietly
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,8 @@ def write_record(directory: Path, *, step: int, run_id: str, rank: int, root: st
                  manifest: dict, header: bytes, buffers: Sequence[torch.Tensor], file: str) -> None:
     """Describe the sealed memory step ``step``, held in ``buffers`` (the set in ``file``), with
     their :func:`checksum`, so that a process taking this rank after this one died can adopt it.
-    Atomic (write, then rename).
+    Atomic (:func:`~tierstack.checkpointing.paths.atomic_write_bytes`; its temp file
+    ``.held.tmp-<pid>`` is swept once its process is gone).
 
     Raises:
         OSError: the record could not be written (the old one, if any, is removed then).
@@ -149,14 +151,10 @@ def write_record(directory: Path, *, step: int, run_id: str, rank: int, root: st
             "layout": [[list(b.shape), str(b.dtype).removeprefix("torch.")] for b in buffers]}
     meta["crc32c"] = checksum(meta, header, buffers)
     body = json.dumps(meta).encode()
-    tmp = directory / f".{RECORD}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + len(body).to_bytes(8, "little") + body + header)
-        os.replace(tmp, directory / RECORD)
+        paths.atomic_write_bytes(directory / RECORD, MAGIC + len(body).to_bytes(8, "little") + body + header)
     except OSError:
-        remove_record(directory)
-        unlink_quietly(str(tmp))
+        remove_record(directory)  # the old one names a set that is no longer protected
         raise
 
 
