@@ -76,9 +76,8 @@ class LocalTier(LocalFiles, StagedTier):
         self._node_dir = (node_memory.rank_dir(cfg.memory_dir, self.root, parallel_layout.rank)
                           if cfg.memory_dir and self.root is not None else None)  # memory steps in node memory
         self._stager = local_memory.stager_for(self._stager, self._node_dir)  # more sets under in-process restart
-        if self._node_dir is not None and parallel_layout.local_rank == 0 and node_memory.is_tmpfs(cfg.memory_dir) is False:
-            log.warning("checkpoint.memory_dir=%s is not a tmpfs: the kernel writes every memory step back to that "
-                        "disk; use the node's shared memory (e.g. /dev/shm)", cfg.memory_dir)
+        if self._node_dir is not None and parallel_layout.local_rank == 0:
+            node_memory.warn_unless_tmpfs(cfg.memory_dir)
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.sealed: list[int] = []  # steps sealed on every rank by this process

@@ -29,6 +29,7 @@ next allocation in that directory or at the end of the run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -75,6 +76,16 @@ def is_tmpfs(path: str) -> Optional[bool]:
     best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
                key=lambda m: len(m[0]), default=None)
     return None if best is None else best[1] == "tmpfs"
+
+
+@functools.lru_cache(maxsize=None)
+def warn_unless_tmpfs(memory_dir: str) -> None:
+    """Warn (once per process and directory: the LOCAL tier is built again at every in-process
+    attempt) when ``memory_dir`` is not on a tmpfs: the kernel would write every memory step back
+    to that disk."""
+    if is_tmpfs(memory_dir) is False:
+        log.warning("checkpoint.memory_dir=%s is not a tmpfs: the kernel writes every memory step back to that "
+                    "disk; use the node's shared memory (e.g. /dev/shm)", memory_dir)
 
 
 def allocate(likes: Sequence[torch.Tensor], directory: Path) -> tuple[list[torch.Tensor], str]:

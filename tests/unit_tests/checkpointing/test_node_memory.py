@@ -216,3 +216,13 @@ def test_a_damaged_or_foreign_record_is_never_adopted(tmp_path, memory, shm, dam
         assert (tmp_path / "victim.bin").exists()  # never mapped, never removed
     if damage == "foreign_dir":
         os.chmod(node_dir, 0o700)
+
+
+def test_a_memory_dir_that_is_not_a_tmpfs_is_warned_about_once_per_process(tmp_path, caplog):
+    """The LOCAL tier is built again at every in-process attempt; the warning comes once."""
+    if node_memory.is_tmpfs(str(tmp_path)) is not False:
+        pytest.skip(f"{tmp_path} is on a tmpfs here")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            node_memory.warn_unless_tmpfs(str(tmp_path / "memory"))
+    assert caplog.text.count("is not a tmpfs") == 1
