@@ -89,7 +89,7 @@ class Row:
         return 2 // self.nodes + self.spares  # 2 training ranks in every row
 
 
-IN_PROCESS = ["resiliency.restart=in-process", "resiliency.heartbeat_timeout_s=3"]
+IN_PROCESS = goodput_launch.IN_PROCESS
 
 
 def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOCAL_EVERY,
@@ -313,6 +313,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chaos", type=float, default=None, metavar="MINUTES",
                    help="run the chaos soak instead (scripts/chaos.py): a seeded mixed stream of faults for about "
                         "MINUTES minutes, then checks and totals")
+    p.add_argument("--chaos-restart", choices=("in-process", "launcher"), default="in-process",
+                   help="how the soak's ranks come back: in-process restart with warm spares on each node, memory "
+                        "steps in node memory (default), or the launcher's restart (new processes)")
+    p.add_argument("--chaos-spares", type=int, default=2,
+                   help="warm spares per simulated node under --chaos-restart in-process (a node with none left "
+                        "falls back to the launcher's restart, which starts new ones)")
     return p
 
 

@@ -23,13 +23,23 @@ DETECTED_BY = {
 }
 
 
-def judge(f: Fault, run: Path, log: str, fired: dict[str, float]) -> dict:
+DETECTED_IN_PROCESS = {  # under in-process restart, the process faults
+    "kill": "rank {r}'s NVRx monitor process (the process exited)",
+    "node": "rank {r}'s NVRx monitor process (the process exited)",
+    "damage": "rank {r}'s NVRx monitor process; the memory step by its CRC, the file by its checksum at resume",
+    "hang": "NVRx's heartbeat timeout on rank {r} (resiliency.heartbeat_timeout_s), which killed it",
+}
+
+
+def judge(f: Fault, run: Path, log: str, fired: dict[str, float], in_process: bool = False) -> dict:
     """How ``f`` was handled: ``{"ok", "detected", "handled", "resumed", "seconds", "lost"}``
-    (``seconds``: fault to the first new step for a process fault; ``lost``: iterations redone)."""
-    row = {"ok": False, "detected": DETECTED_BY[f.kind].format(r=f.rank, p=1 - f.rank), "handled": "",
+    (``seconds``: fault to the first new step for a process fault; ``lost``: iterations redone).
+    ``in_process``: the launch restarts in-process (spares, memory steps in node memory)."""
+    detected = (DETECTED_IN_PROCESS if in_process and f.kind in DETECTED_IN_PROCESS else DETECTED_BY)[f.kind]
+    row = {"ok": False, "detected": detected.format(r=f.rank, p=1 - f.rank), "handled": "",
            "resumed": "-", "seconds": None, "lost": None}
     if f.kind in ("kill", "node", "hang", "damage"):
-        return _judge_restart(f, run, log, row)
+        return _judge_restart(f, run, log, row, in_process)
     t = fired.get(f.id)
     if t is None:
         row["handled"] = "never fired (the run did not touch its path)"
@@ -59,14 +69,27 @@ def judge(f: Fault, run: Path, log: str, fired: dict[str, float]) -> dict:
     return row
 
 
-def _judge_restart(f: Fault, run: Path, log: str, row: dict) -> dict:
+def _how_restarted(f: Fault, run: Path, starts: list, t_next: float) -> str:
+    """Who took the rank between the fault and the next step: new processes (the launchers'
+    restart), or, in-process, a spare (which node's) while the peer kept its process."""
+    if any(s.get("t_created", 0) > f.t for s in starts if s.get("t_created", 0) < t_next):
+        return "restarted by the launchers (new processes)"
+    mine = [s for s in records(run / f"steps_rank{f.rank}.jsonl") if s["t"] > f.t][:1]
+    peer = records(run / f"steps_rank{1 - f.rank}.jsonl")
+    kept = [s["pid"] for s in peer if s["t"] < f.t][-1:] == [s["pid"] for s in peer if s["t"] > f.t][:1]
+    who = f"a spare (pid {mine[0]['pid']}) took rank {f.rank}" if mine else f"rank {f.rank} came back"
+    return f"in-process: {who}, rank {1 - f.rank} " + ("kept its process" if kept else "changed process too")
+
+
+def _judge_restart(f: Fault, run: Path, log: str, row: dict, in_process: bool = False) -> dict:
     if f.t is None:
         row["handled"] = "not injected (the run ended first)"
         return row
     steps = records(run / "steps_rank0.jsonl")
     before = [s for s in steps if s["t"] < f.t]
     after = [s for s in steps if s["t"] > f.t]
-    loads = [s for s in records(run / "starts.jsonl") if "tier" in s and s["rank"] == 0 and s["t"] > f.t]
+    starts = records(run / "starts.jsonl")
+    loads = [s for s in starts if "tier" in s and s["rank"] == 0 and s["t"] > f.t]
     if not after:
         row["handled"] = "no step after it: the job did not recover"
         return row
@@ -75,8 +98,12 @@ def _judge_restart(f: Fault, run: Path, log: str, row: dict) -> dict:
     row["lost"] = (before[-1]["step"] if before else 0) - resumed
     row["resumed"] = f"{loads[0]['tier'].upper()} {loads[0]['step']}" if loads else "scratch"
     row["ok"] = True
-    row["handled"] = "restarted by the launchers; " + (f.note or "rank killed" if f.kind != "hang" else "rank stopped")
-    if f.kind == "hang":
+    how = _how_restarted(f, run, starts, after[0]["t"]) if in_process else "restarted by the launchers"
+    row["handled"] = how + "; " + (f.note or "rank killed" if f.kind != "hang" else "rank stopped")
+    if f.kind == "hang" and in_process:
+        m = re.search(r"hard timeout|soft timeout|SoftTimeout|HardTimeout", log)
+        row["handled"] += "; NVRx's timeout in the logs" if m else "; no NVRx timeout line in the logs (who noticed it?)"
+    elif f.kind == "hang":
         timeouts = len(re.findall(r"[Tt]imed out", log))
         row["handled"] += (f"; the peer's collective timed out ({timeouts} 'timed out' line(s) in the logs)" if timeouts
                            else "; no 'timed out' line in the logs (who noticed it?)")

@@ -4,12 +4,17 @@ running job without a human.
 Each fault is tied to a training step, so the stream lands at the same places of the training on
 a loaded machine as on a quiet one:
 
-- ``kill``: SIGKILL of a rank (its launcher restarts the job);
-- ``node``: node replacement: the rank's node-local directory is emptied, then the rank is killed;
-- ``hang``: SIGSTOP of a rank: its peer's next collective times out (``distributed.timeout_s``)
-  and that rank exits; the stopped rank's agent then kills it (torchrun's shutdown wait);
+- ``kill``: SIGKILL of a rank (a spare of its node takes its rank, or its launcher restarts the job);
+- ``node``: node replacement: the rank's node-local directory (and its node memory, when memory
+  steps are kept there) is emptied, then the rank is killed;
+- ``hang``: SIGSTOP of a rank. Under in-process restart NVRx's heartbeat timeout finds it
+  (``resiliency.heartbeat_timeout_s``) and kills it, and a spare takes its rank; under the
+  launcher's restart its peer's next collective times out (``distributed.timeout_s``) and that rank
+  exits; the stopped rank's agent then kills it (torchrun's shutdown wait);
 - ``damage``: the rank is killed, then bytes in the middle of its newest sealed LOCAL file are
   flipped (size kept), so that the resume has to read that step (its replica on the peer is good);
+  with memory steps in node memory, the memory step the killed process left there too (its
+  replacement must refuse it and read the file);
 - ``eio``: a transient EIO when the rank opens its file of a GLOBAL save for writing (retried);
 - ``enospc``: ENOSPC on every write of the rank's file of one GLOBAL save (permanent: that save is
   not published, training goes on);
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from goodput_records import records
+from tierstack.checkpointing import node_memory
 
 REPO = Path(__file__).resolve().parents[1]
 INJECT = REPO / "tests" / "functional_tests" / "resiliency" / "inject"
@@ -161,9 +167,10 @@ class Injector:
     job has recorded a step after the previous one (so two never overlap in one restart) and is
     skipped once the last iteration is recorded. Every done fault gets its ``t`` and ``note``."""
 
-    def __init__(self, faults: list[Fault], last_step: int):
+    def __init__(self, faults: list[Fault], last_step: int, memory_dir: Optional[Path] = None):
         self.faults = [f for f in faults if f.kind in PROCESS_KINDS]
         self.last_step = last_step
+        self.memory_dir = memory_dir  # the launch's checkpoint.memory_dir (memory steps in node memory), if any
 
     def __call__(self, run: Path, stop: threading.Event) -> None:
         t_prev = 0.0
@@ -190,10 +197,27 @@ class Injector:
         except ProcessLookupError:
             return False
         f.t = time.time()
-        if f.kind == "node":
+        held = None if self.memory_dir is None else node_memory.rank_dir(str(self.memory_dir), local, f.rank)
+        if f.kind == "node":  # the node's disk and memory are gone: its spare finds neither
             shutil.rmtree(local, ignore_errors=True)
             f.note = f"node-local directory {local} wiped"
+            if held is not None:
+                shutil.rmtree(held.parent, ignore_errors=True)
+                f.note += " and its node memory"
         elif f.kind == "damage":  # after the kill: no newer step can be sealed meanwhile
             victim = _newest_sealed(local, Path(peer["local_dir"]), f.rank)
             f.note = "rank killed; " + (damage(victim) if victim else "no sealed LOCAL file left to damage")
+            if held is not None:  # and the memory step it left, so that the file is what the resume reads
+                f.note += "; memory step: " + _damage_memory_step(held)
         return True
+
+
+def _damage_memory_step(rank_dir: Path) -> str:
+    """Flip bytes in the buffer set that the rank's node-memory record names (its held memory step)."""
+    try:
+        found = node_memory.read_record(rank_dir)
+    except node_memory.RecordError as e:
+        return f"record unreadable ({e})"
+    if found is None:
+        return "none held"
+    return f"step {found[0]['step']}, " + damage(rank_dir / found[0]["file"])

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("bench_goodput.py")  # the worker: it trains when torchrun runs it
 MAX_RESTARTS = 50
+IN_PROCESS = ["resiliency.restart=in-process", "resiliency.heartbeat_timeout_s=3"]  # the in-process rows' and soak's
 
 
 def base_overrides(run: Path, iterations: int, mtbf_s: float) -> list[str]:

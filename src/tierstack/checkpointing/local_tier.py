@@ -76,7 +76,7 @@ class LocalTier(LocalFiles, StagedTier):
         self._node_dir = (node_memory.rank_dir(cfg.memory_dir, self.root, parallel_layout.rank)
                           if cfg.memory_dir and self.root is not None else None)  # memory steps in node memory
         self._stager = local_memory.stager_for(self._stager, self._node_dir)  # more sets under in-process restart
-        if self._node_dir is not None and parallel_layout.local_rank == 0:
+        if self._node_dir is not None and parallel_layout.rank_on_node == 0:
             node_memory.warn_unless_tmpfs(cfg.memory_dir)
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
@@ -90,7 +90,7 @@ class LocalTier(LocalFiles, StagedTier):
             self._replication = local_replicas.LocalReplication(
                 self.root, cfg.replication_factor, cfg.replication_jump or parallel_layout.ranks_per_node,
                 parallel_layout.rank, parallel_layout.world_size, on_writer=not runtime.has_gpu(),
-                writer_timeout_s=cfg.async_write_timeout_s, local_rank=parallel_layout.local_rank,
+                writer_timeout_s=cfg.async_write_timeout_s, local_rank=parallel_layout.rank_on_node,
                 ranks_per_node=parallel_layout.ranks_per_node)
 
     @property
@@ -111,7 +111,7 @@ class LocalTier(LocalFiles, StagedTier):
 
     def claim(self, run_id: str) -> None:
         """Local rank 0 of each node writes the run file of a fresh run into the (node-local) root."""
-        if self.root is not None and self.layout.local_rank == 0:
+        if self.root is not None and self.layout.rank_on_node == 0:
             paths.write_run_file(self.root, run_id)
 
     def saved_steps(self) -> list[int]:
@@ -214,7 +214,7 @@ class LocalTier(LocalFiles, StagedTier):
                                  root=self.root, topology=self.layout.topology())
         self._run_id = job.run_id
         self.last_durable_s, self.last_blocked_s = time.perf_counter() - job.started, job.blocked_s
-        if self.layout.local_rank == 0:
+        if self.layout.rank_on_node == 0:
             paths.write_run_file(self.root, job.run_id)
         budget = self.cfg.quarantine_budget_bytes
         budget = int(job.job.result()) if budget is None else budget

@@ -29,7 +29,9 @@ class ResiliencyConfig(_Section):
     # Needed by restart=in-process (a hung rank is only found by this timeout); null = none.
     heartbeat_timeout_s: Optional[float] = None
     # Warm spare ranks started with the job (torchrun --nproc-per-node counts them): imports done,
-    # they wait to take the rank of a process that died. Active ranks = processes - spares.
+    # they wait to take the rank of a process that died. Active ranks = processes - spares. On
+    # several nodes the spares are split evenly: each node keeps spare_ranks / nodes of its own, so a
+    # rank is replaced on its node (its node-local files and node memory are there).
     spare_ranks: int = 0
     # In-process restarts allowed before the job fails (then the launcher's restart, if any, follows).
     max_in_process_restarts: int = 8
@@ -59,12 +61,23 @@ class ResiliencyConfig(_Section):
                      "without progress before a rank counts as hung; e.g. resiliency.heartbeat_timeout_s=3)")
         return p
 
+    def spares_per_node(self, world_size: int, environ: Optional[dict] = None) -> tuple[int, int, int]:
+        """``(nodes, processes per node, spares per node)`` of a launch of ``world_size`` processes,
+        from torchrun's ``LOCAL_WORLD_SIZE`` (absent: one node). The spares are split evenly over
+        the nodes (a remainder is refused by :meth:`launcher_problems`)."""
+        env = os.environ if environ is None else environ
+        per_node = int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
+        nodes = max(1, world_size // per_node)
+        return nodes, per_node, max(0, self.spare_ranks) // nodes
+
     def launcher_problems(self, world_size: int, environ: Optional[dict] = None) -> list[str]:
         """Rules that need the launch: ``world_size`` processes started (spares included).
 
         In-process restart replaces a dead process with a warm spare; without spares only the
         launcher can (``torchrun --max-restarts N`` with N >= 1). With neither, a rank that dies
-        cannot be replaced, and the in-process restart would wait for it in vain: refused.
+        cannot be replaced, and the in-process restart would wait for it in vain: refused. On
+        several nodes each node keeps the same number of spares (``spare_ranks`` divisible by the
+        nodes) and at least one rank that trains.
         """
         if not self.in_process:
             return []
@@ -73,6 +86,13 @@ class ResiliencyConfig(_Section):
         if self.spare_ranks >= world_size:
             p.append(f"resiliency.spare_ranks={self.spare_ranks}: must be < the {world_size} processes started "
                      "(torchrun --nproc-per-node counts the spares too)")
+        nodes, per_node, spares = self.spares_per_node(world_size, env)
+        if nodes > 1 and self.spare_ranks % nodes:
+            p.append(f"resiliency.spare_ranks={self.spare_ranks}: must be a multiple of the {nodes} nodes (each node "
+                     "keeps the same number of spares, so that a rank is replaced on its own node)")
+        elif nodes > 1 and spares >= per_node:
+            p.append(f"resiliency.spare_ranks={self.spare_ranks}: {spares} per node leaves no rank that trains on "
+                     f"a node of {per_node} processes (torchrun --nproc-per-node counts the spares too)")
         outer = int(env.get(MAX_RESTARTS_ENV, "0") or 0)
         if self.spare_ranks == 0 and outer == 0:
             p.append("resiliency.spare_ranks=0 with a launcher that cannot replace a process "

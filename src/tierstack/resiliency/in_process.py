@@ -14,9 +14,9 @@ for ``resiliency.heartbeat_timeout_s``):
    A gloo collective cannot be aborted, but destroying a group closes this rank's connections,
    so a peer blocked on it fails at once (``runtime.release_distributed``).
 2. The main thread gets NVRx's ``RankShouldRestart``; ``pretrain``'s closers run as for any error.
-3. The ranks meet in NVRx's iteration barrier; a rank that died is replaced by a spare (rank
-   assignment ``FillGaps``: every healthy rank keeps its rank, so its in-memory LOCAL state is its
-   own), and the training function runs again, in the same processes, on new process groups whose
+3. The ranks meet in NVRx's iteration barrier; a rank that died is replaced by a spare of its
+   own node (:func:`rank_assignment`: every healthy rank keeps its rank, so its in-memory LOCAL
+   state is its own), and the training function runs again, in the same processes, on new process groups whose
    store keys carry the attempt's number (:func:`tierstack.runtime.attempt_store.use_attempt_store`).
 4. Resume selection agrees on one step as on any start; a healthy rank takes it from host memory
    (:mod:`tierstack.checkpointing.local_memory`), a replaced one from its file.
@@ -40,11 +40,13 @@ import torch.distributed as dist
 
 from tierstack.config import ConfigContainer, ConfigError
 from tierstack.resiliency import rank_slot, restarts, signals, warm_spare
+from tierstack.resiliency.liveness import Liveness
 from tierstack.runtime import attempt_store
 
 log = logging.getLogger(__name__)
 
 STOPPED_KEY = "planned_exit_served"  # in the job store: a run ended with a planned exit (its reason)
+AGREED_STOP_KEY = "agreed_stop"  # in the job store: the ranks ended the job with an AgreedStop (its error)
 _attempt = 0  # this process's current in-process restart number (restart_number)
 
 _ROOT = "tierstack/inprocess"
@@ -90,8 +92,10 @@ def check(config: ConfigContainer, processes: int, environ: Optional[dict] = Non
     """
     r = config.resiliency
     problems = r.launcher_problems(processes, environ)
+    _, per_node, spares = r.spares_per_node(processes, environ)
     try:
-        config.validate(max(1, processes - max(0, r.spare_ranks)), check_paths=False)
+        config.validate(max(1, processes - max(0, r.spare_ranks)), ranks_per_node=max(1, per_node - spares),
+                        check_paths=False)
     except ConfigError as e:
         problems = list(e.problems) + problems
     if not r.in_process:
@@ -155,25 +159,45 @@ def _store_class():
     return JobStore
 
 
+def rank_assignment(config: ConfigContainer):
+    """NVRx's rank assignment for this launch: a topology tree (``rank_assignment.Tree``) of the
+    job and its nodes (torchrun's ``GROUP_RANK``). Each node activates its first ``processes per
+    node - spares per node`` processes (node-major: active rank = node x active per node + index);
+    its other processes are its spares. A rank that dies is replaced by a spare of *its* node, which
+    finds the rank's node-local files and node memory there; healthy ranks keep their ranks. A node
+    with no spare left cannot replace it (no spare moves between nodes): the world would shrink,
+    which :func:`run` refuses (:class:`RestartLimitReached`, then the launcher's restart)."""
+    from nvidia_resiliency_ext.inprocess.rank_assignment import Layer, LayerFlag, Tree
+
+    r = config.resiliency
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    nodes, per_node, spares = r.spares_per_node(processes)
+    node = os.environ.get("GROUP_RANK", "0")
+    return Tree([Layer(min_ranks=1, max_ranks=processes - r.spare_ranks, key_or_fn="job"),
+                 Layer(min_ranks=1, max_ranks=per_node - spares, key_or_fn=lambda _: node, flag=LayerFlag.RESERVE)])
+
+
+def is_spare(config: ConfigContainer) -> bool:
+    """True in a process that starts as a spare: one of the last ``spares per node`` of its node
+    (torchrun's ``LOCAL_RANK``; see :func:`rank_assignment`)."""
+    _, per_node, spares = config.resiliency.spares_per_node(int(os.environ.get("WORLD_SIZE", "1")))
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) >= per_node - spares
+
+
 def wrapper_arguments(config: ConfigContainer, job_prefix: str) -> dict:
     """Keyword arguments of ``inprocess.Wrapper`` for ``config`` (timeouts from
     ``resiliency.heartbeat_timeout_s``; intervals tuned for a restart in about a second)."""
-    from nvidia_resiliency_ext import inprocess
-    from nvidia_resiliency_ext.inprocess.rank_assignment import FillGaps, MaxActiveWorldSize
-
     r = config.resiliency
     soft = float(r.heartbeat_timeout_s)
     hard = soft + max(0.5, soft / 2)
     barrier = hard + max(30.0, config.distributed.timeout_s)
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
     return dict(
         store_factory=_store_class(),
         store_kwargs={"prefix": job_prefix, "timeout_s": barrier},
         abort=_ReleaseGroups(),
         finalize=_Collect(),
         health_check=None,
-        # FillGaps: healthy ranks keep their rank (and so their in-memory state); a spare takes the gap
-        rank_assignment=inprocess.Compose(MaxActiveWorldSize(processes - r.spare_ranks), FillGaps()),
+        rank_assignment=rank_assignment(config),
         monitor_thread_interval=timedelta(seconds=MONITOR_THREAD_INTERVAL_S),
         monitor_process_interval=timedelta(seconds=MONITOR_PROCESS_INTERVAL_S),
         heartbeat_interval=timedelta(seconds=min(0.5, soft / 4)),
@@ -197,9 +221,9 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     from tierstack.checkpointing import local_memory
     from tierstack.runtime import has_gpu
 
-    spare = int(os.environ.get("RANK", "0")) >= int(os.environ.get("WORLD_SIZE", "1")) - config.resiliency.spare_ranks
-    if spare and rehearse is not None:
+    if is_spare(config) and rehearse is not None:
         warm_spare.warm_up(config, rehearse)  # a spare: its first set-up and step now, not after a failure
+    _, per_node, spares = config.resiliency.spares_per_node(int(os.environ.get("WORLD_SIZE", "1")))
     job = dist.PrefixStore(job_prefix, dist.TCPStore(  # the slot's connection stays the slot's
         os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timedelta(seconds=timeout_s)))
@@ -221,6 +245,10 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             log.warning("in-process restart %d: not training again: the job already stopped (%s) and kept its "
                         "last checkpoint", n, job.get(STOPPED_KEY).decode())
             return None
+        if n and job.check([AGREED_STOP_KEY]):  # a spare woken by the ranks' exit after an AgreedStop
+            log.warning("rank %s: not training: the job stopped on every rank (%s)", os.environ.get("RANK"),
+                        job.get(AGREED_STOP_KEY).decode())
+            return None
         if n > limit:
             raise RestartLimitReached(f"{n} in-process restarts: more than resiliency.max_in_process_restarts={limit}")
         if int(os.environ["WORLD_SIZE"]) < ranks:  # never a silently smaller data-parallel world
@@ -235,6 +263,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
                         f"{_timeline['abort_end'] - aborted:.2f} s releasing the process groups)")
         if n and signals.unserved_stop() is not None:  # asked to stop, but that run's last checkpoint failed
             signals.hold_stop(signals.unserved_stop())
+        os.environ["LOCAL_WORLD_SIZE"] = str(per_node - spares)  # the ranks that train on a node (the layout's)
         attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
         _watch.begin(call_wrapper)
         try:
@@ -243,6 +272,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             from tierstack.errors import raised_on_every_rank
 
             if raised_on_every_rank(e):
+                job.set(AGREED_STOP_KEY, f"{type(e).__name__}: {str(e)[:200]}")
                 raise AgreedStop(e) from e
             raise
         finally:
@@ -253,7 +283,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
 
     attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
     with inprocess.CallWrapper(wrapper) as call_wrapper:  # what ``wrapper(attempt)()`` does, with its watchdog at hand
-        liveness = _Liveness(call_wrapper.progress_watchdog)
+        liveness = Liveness(call_wrapper.progress_watchdog, PROGRESS_INTERVAL_S)
         try:
             call_wrapper(attempt, (), {})
         except RankDiscarded:  # taken out of the job (it hung: NVRx resumed it to end it); the job goes on
@@ -276,55 +306,6 @@ def restart_number() -> int:
     """The in-process restart this process's current attempt is (0: the first attempt, or no
     in-process restart)."""
     return _attempt
-
-
-class _Liveness:
-    """What NVRx's hang protection (soft and hard timeouts) is told about this rank: that its
-    process runs. A thread sends NVRx's progress timestamp every ``PROGRESS_INTERVAL_S``.
-
-    Why: NVRx's own watchdog stamps progress through ``Py_AddPendingCall``, which runs only while
-    the main thread executes Python. With NCCL the main thread goes on while a collective waits on
-    the GPU; with gloo it blocks inside the collective. So a healthy rank waiting in an all-reduce
-    for a stopped peer looked as hung as the peer: both reached the hard timeout together, and
-    NVRx killed the healthy rank too (seen here: the SIGSTOP scenario failed 1 run in 3). A
-    stopped or frozen process runs no thread, so it is still found within
-    ``resiliency.heartbeat_timeout_s``; a collective that never returns is bounded by
-    ``distributed.timeout_s``, like any collective.
-
-    NVRx's own thread goes on sending too, and what it sends carries the time its last pending call
-    ran in the main thread (``ProgressWatchdog.run``): while the main thread is blocked, that time
-    is old, and the monitor process judges the last message it read. So the watchdog's ``send`` is
-    wrapped to carry the newest of the two times: without it, spares waiting for a rank (their main
-    thread in a store wait) and healthy ranks inside a collective still reached the soft timeout
-    now and then (seen in the goodput benchmark: 2 restarts no rank had asked for in 40 s, with 3
-    spares on 2 cores).
-    """
-
-    def __init__(self, watchdog) -> None:
-        import threading
-
-        self._alive = time.monotonic()
-        send = watchdog.send
-
-        def send_newest() -> None:
-            ts = watchdog.timestamp
-            if ts.auto is None or ts.auto < self._alive:
-                ts.auto = self._alive
-            send()
-
-        watchdog.send = send_newest  # the instance's: NVRx calls self.send()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(watchdog,), name="tierstack-liveness", daemon=True)
-        self._thread.start()
-
-    def _run(self, watchdog) -> None:
-        while not self._stop.wait(PROGRESS_INTERVAL_S):
-            self._alive = time.monotonic()
-            watchdog.reset()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class _HangWatch:

@@ -41,6 +41,16 @@ class ParallelLayout:
         return self.local_world_size or self.world_size
 
     @property
+    def rank_on_node(self) -> int:
+        """This rank's index among the ranks that train on its node: ``rank - node_rank x
+        ranks_per_node`` under torchrun (node-major global ranks), ``local_rank`` without it. Not
+        ``LOCAL_RANK`` under in-process restart with spares: a spare keeps its torchrun local rank
+        (its device) when it takes the rank of a node's first process."""
+        if not self.local_world_size:
+            return self.local_rank
+        return self.rank - self.node_rank * self.ranks_per_node
+
+    @property
     def num_nodes(self) -> int:
         """Nodes in the job: ``world_size // ranks_per_node``."""
         return max(1, self.world_size // self.ranks_per_node)

@@ -5,7 +5,8 @@ Usage: inprocess_worker.py OUT_DIR [section.field=value ...]
 Runs ``tierstack.pretrain`` on the tiny GPT of ``nodes_worker.tiny_config`` through
 ``tierstack.resiliency.in_process.run`` and appends one line per step to
 ``OUT_DIR/losses_rank<r>.jsonl`` (``r``: the rank the process has in that attempt): step, loss as
-float hex (bit-identical comparisons), the process id and the unix time at the end of the step.
+float hex (bit-identical comparisons), the process id, the unix time at the end of the step and
+the node (torchrun's ``GROUP_RANK``).
 
 Fault, once per step listed (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
 ``raise`` | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
@@ -60,7 +61,7 @@ def main() -> int:
         rank = int(os.environ["RANK"])
         with open(out / f"losses_rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": ts.step, "loss": float(result.loss).hex(), "pid": os.getpid(),
-                                "t": time.time()}) + "\n")
+                                "t": time.time(), "node": int(os.environ.get("GROUP_RANK", "0"))}) + "\n")
         marker = out / ("fault.fired" if ts.step == fault_at[0] else f"fault.fired.{ts.step}")
         if fault and ts.step in fault_at and not marker.exists():
             managers[-1].wait()  # collective: the LOCAL save in flight is sealed on every rank

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import run_torchrun
+from launcher import run_nodes, run_torchrun
 
 WORKER = Path(__file__).with_name("inprocess_worker.py")
 ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks processes
@@ -236,3 +236,33 @@ def test_without_a_spare_the_launchers_restart_takes_over(tmp_path, uninterrupte
     for rank in (0, 1):
         final = {x["step"]: x["loss"] for x in records[rank]}
         assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
+
+
+@pytest.mark.slow
+def test_on_two_nodes_a_killed_rank_is_replaced_by_a_spare_of_its_own_node(tmp_path, uninterrupted, node_memory_dir):
+    """2 simulated nodes x (1 rank + 1 spare) (``resiliency.spare_ranks=2``, replicas on the other
+    node): rank 0 trains on node 0, rank 1 on node 1. Rank 1's process is killed after step 12: the
+    spare of node 1 takes rank 1 (never node 0's, which would find neither its node-local files nor
+    its node memory), adopts the memory step 11 the dead process left in node 1's memory, and every
+    rank resumes 11 with no file read; rank 0 keeps its process."""
+    out = tmp_path / "nodes"
+    out.mkdir()
+    run = out / "run"
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "TIERSTACK_TEST_FAULT": "kill", "TIERSTACK_TEST_FAULT_AT": "12",
+           "TIERSTACK_TEST_FAULT_RANK": "1"}
+    proc = run_nodes([WORKER, out, f"logger.run_dir={run}", "train.train_iters=30", "checkpoint.local_save_interval=5",
+                      f"checkpoint.save={run}/global", "checkpoint.replication_factor=2", "resiliency.restart=in-process",
+                      "resiliency.heartbeat_timeout_s=2", "resiliency.spare_ranks=2", *MEMORY_STEPS,
+                      f"checkpoint.memory_dir={node_memory_dir}"], nodes=2, nproc=2, timeout=300, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    records = {r: [json.loads(x) for x in (out / f"losses_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    for rank in (0, 1):  # each rank trained on its own node, before the kill and after it
+        assert {x["node"] for x in records[rank]} == {rank}, rank
+        final = {x["step"]: x["loss"] for x in records[rank]}
+        assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
+    assert len({x["pid"] for x in records[0]}) == 1
+    pids = [x["pid"] for x in records[1]]
+    assert pids[0] != pids[-1]  # node 1's spare took rank 1
+    assert "rank 1: adopted memory step 11 from node memory" in (run / "logs" / "rank1.log").read_text(), log[-6000:]
+    assert "FINAL step=30 resumed_from=[11]" in log, log[-6000:]

@@ -11,7 +11,8 @@ from datetime import timedelta
 def test_every_progress_message_is_fresh_while_the_main_thread_is_blocked():
     from nvidia_resiliency_ext.inprocess.progress_watchdog import ProgressWatchdog
 
-    from tierstack.resiliency.in_process import _Liveness
+    from tierstack.resiliency.in_process import PROGRESS_INTERVAL_S
+    from tierstack.resiliency.liveness import Liveness
 
     sent = []
 
@@ -21,7 +22,7 @@ def test_every_progress_message_is_fresh_while_the_main_thread_is_blocked():
 
     watchdog = ProgressWatchdog(0, MonitorInbox(), timedelta(seconds=0.05))
     watchdog.start()
-    liveness = _Liveness(watchdog)
+    liveness = Liveness(watchdog, PROGRESS_INTERVAL_S)
     try:
         time.sleep(0.3)
         start = len(sent)
