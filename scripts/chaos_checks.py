@@ -101,8 +101,9 @@ def _judge_restart(f: Fault, run: Path, log: str, row: dict, in_process: bool = 
     how = _how_restarted(f, run, starts, after[0]["t"]) if in_process else "restarted by the launchers"
     row["handled"] = how + "; " + (f.note or "rank killed" if f.kind != "hang" else "rank stopped")
     if f.kind == "hang" and in_process:
-        m = re.search(r"hard timeout|soft timeout|SoftTimeout|HardTimeout", log)
-        row["handled"] += "; NVRx's timeout in the logs" if m else "; no NVRx timeout line in the logs (who noticed it?)"
+        m = re.search(r"Interruption\.(SOFT|HARD)_TIMEOUT affecting ranks", log)
+        row["handled"] += (f"; NVRx's {m.group(1)}_TIMEOUT in the logs" if m
+                           else "; no NVRx timeout line in the logs (who noticed it?)")
     elif f.kind == "hang":
         timeouts = len(re.findall(r"[Tt]imed out", log))
         row["handled"] += (f"; the peer's collective timed out ({timeouts} 'timed out' line(s) in the logs)" if timeouts

@@ -13,7 +13,7 @@ SIGSTOP of the rank on a write-open: a rank that dies / hangs). ``times``: 1 fir
 of one step, to hit the tracker write of that step's publish). The hooks are installed into ``builtins.open``, ``io.open``, ``os`` and ``shutil`` at
 interpreter start by ``sitecustomize`` (this folder's ``inject/`` on ``PYTHONPATH``), so they reach
 every process of a rank: forked writer processes and spawned ones alike. ``RANK`` comes from
-torchrun's environment.
+torchrun's environment, read at each operation (in-process restart gives a spare its rank later).
 
 Each firing appends ``id rank pid unix_time path`` to ``$TIERSTACK_FAULT_DIR/fired.log``; a fault with
 ``times: 1`` fires once over all processes (an ``O_EXCL`` marker file decides).
@@ -47,8 +47,17 @@ _os_open = os.open  # the real one: the hooks' own marker files must not go thro
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
+def _rank() -> int:
+    """The rank this process works for now: ``RANK`` as it is at the operation (under in-process
+    restart a spare's changes when it takes a rank), else the one at interpreter start."""
+    try:
+        return int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return _RANK
+
+
 def _fires(fault: dict, path) -> bool:
-    if _RANK is None or int(fault.get("rank", _RANK)) != _RANK:
+    if _RANK is None or int(fault.get("rank", _rank())) != _rank():
         return False
     if not fnmatch.fnmatch(os.fsdecode(path), fault["path"]):  # bytes paths too (numpy, megatron)
         return False
@@ -63,7 +72,7 @@ def _fires(fault: dict, path) -> bool:
         except FileExistsError:
             return False
     fd = _os_open(os.path.join(_DIR, "fired.log"), os.O_CREAT | os.O_APPEND | os.O_WRONLY)
-    os.write(fd, f"{fault['id']} {_RANK} {os.getpid()} {time.time():.3f} {os.fsdecode(path)}\n".encode())
+    os.write(fd, f"{fault['id']} {_rank()} {os.getpid()} {time.time():.3f} {os.fsdecode(path)}\n".encode())
     os.close(fd)
     return True
 
