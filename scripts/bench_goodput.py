@@ -66,6 +66,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling modules, also when loaded by path (tests)
 import goodput_launch  # noqa: E402
@@ -80,10 +81,10 @@ class Row:
     """One configuration of the table: its overrides, what a failure is, and how the ranks are laid out."""
 
     overrides: list[str] = field(default_factory=list)
-    wipe_node: bool = False  # the killed rank's node-local directory is emptied too (a replaced node)
+    wipe_node: bool = False  # the killed rank's node-local directory (and node memory) is emptied too (a replaced node)
     fault: str = "kill"  # "kill": SIGKILL of the rank's process; "raise": the rank raises after its step
     nodes: int = 2  # simulated nodes (one torchrun agent each)
-    spares: int = 0  # warm spare processes per node (resiliency.spare_ranks when nodes=1, as in every row with spares)
+    spares: int = 0  # warm spare processes per node (resiliency.spare_ranks is nodes x this)
 
     def processes_per_node(self) -> int:
         return 2 // self.nodes + self.spares  # 2 training ranks in every row
@@ -99,15 +100,15 @@ def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOC
     first start is not a checkpoint to refuse a fresh start for). A new way of restarting is one
     more entry here.
 
-    In-process restart (``resiliency.restart=in-process``) has two rows. ``inprocess``: a rank
-    raises (its process lives on; the 2 nodes and replication of ``replicated``), every rank
+    In-process restart (``resiliency.restart=in-process``) has three rows, on the 2 nodes and
+    replication of ``replicated``. ``inprocess``: a rank raises (its process lives on), every rank
     restarts in its own process. ``inprocess_spare``: a rank's process is SIGKILLed and a warm spare
-    takes its rank (one node of 2 ranks and ``faults + 2`` spares; NVRx gives the active ranks the
-    lowest global ranks, so spares on their own simulated node would put both active ranks on one
-    node; the killed rank's file is read by the spare from the node). ``faults + 2``: a row sees a
-    fault every fixed interval until its last iteration, so a slow row sees more than ``faults``; with
-    ``faults + 1`` one run saw 5 kills and the fifth found no spare left, so the launcher restarted
-    the whole job (22 s, as designed for that case; not what the row is there to measure).
+    of its node takes its rank (``spares_per_node`` each: a row sees a fault every fixed interval
+    until its last iteration, so a slow row sees more than ``faults``, and the faults hit random
+    ranks; a node with none left falls back to the launchers' restart, as designed, but that is not
+    what the row is there to measure). ``inprocess_node``: the same with a node replacement, as in
+    ``replicated``: the killed rank's node-local directory and node memory are wiped too, so its
+    spare resumes from the replica its peer node holds.
     ``inprocess_local_every`` is their LOCAL interval (``--inprocess-local-every``; the other rows'
     by default, so that the rows differ in the restart only): at 1 every failure loses at most the
     step in flight, and every step pays a LOCAL save (README, "In-process restart").
@@ -125,6 +126,8 @@ def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOC
     inproc = [g, f"checkpoint.local_save_interval={inprocess_local_every}"]
     if inprocess_memory_every:
         inproc.append(f"checkpoint.memory_save_interval={inprocess_memory_every}")
+    spares_per_node = (faults + 3) // 2
+    spared = [*inproc, *IN_PROCESS, f"resiliency.spare_ranks={2 * spares_per_node}"]
     return {
         "none": Row(["checkpoint.allow_fresh_start_on_invalid=true"]),
         "global": Row([g]),
@@ -132,8 +135,8 @@ def configs(global_every: int, faults: int = 3, inprocess_local_every: int = LOC
         "replicated": Row(replicated, wipe_node=True),
         "auto": Row([g, "checkpoint.local_save_interval=auto"]),
         "inprocess": Row([*inproc, "checkpoint.replication_factor=2", *IN_PROCESS], fault="raise"),
-        "inprocess_spare": Row([*inproc, *IN_PROCESS, f"resiliency.spare_ranks={faults + 2}"], nodes=1,
-                               spares=faults + 2),
+        "inprocess_spare": Row([*spared, "checkpoint.replication_factor=2"], spares=spares_per_node),
+        "inprocess_node": Row([*spared, "checkpoint.replication_factor=2"], spares=spares_per_node, wipe_node=True),
     }
 
 
@@ -201,7 +204,7 @@ def worker(out: Path, overrides: list[str]) -> None:
 
 
 def _inject(run: Path, every_s: float, rng: random.Random, row: Row, stop: threading.Event, kills: list,
-            last_step: int) -> None:
+            last_step: int, memory_dir: Optional[Path] = None) -> None:
     """Every ``every_s`` seconds, fail a random rank as ``row.fault`` says (SIGKILL, or ask it to
     raise after its next step; with ``row.wipe_node`` also empty its node-local directory), until
     the run has recorded its last iteration: a fault after that would only hit a job that is done
@@ -222,6 +225,11 @@ def _inject(run: Path, every_s: float, rng: random.Random, row: Row, stop: threa
             continue
         if row.wipe_node and info["local_dir"]:
             shutil.rmtree(Path(info["local_dir"]), ignore_errors=True)
+            if memory_dir is not None:  # and the node's memory: the memory steps its processes left there
+                from tierstack.checkpointing import node_memory
+
+                shutil.rmtree(node_memory.rank_dir(str(memory_dir), Path(info["local_dir"]), rank).parent,
+                              ignore_errors=True)
         kills.append({"t": time.time(), "rank": rank})
 
 
@@ -232,12 +240,14 @@ def _run(name: str, row: Row, args, work: Path, faults: bool, injector=None) -> 
     kills: list = []
     overrides = goodput_launch.with_global_dir(
         run, [*goodput_launch.base_overrides(run, args.iterations, args.fault_every_s), *row.overrides])
+    memory_dir = None
+    if any(o.startswith("checkpoint.memory_save_interval=") for o in row.overrides):  # in node memory (a tmpfs by
+        memory_dir = args.local_root / name / "node_memory"  # default): spares adopt them
+        overrides.append(f"checkpoint.memory_dir={memory_dir}")
     if injector is None and faults:
         rng = random.Random(args.seed)
         injector = lambda run, stop: _inject(run, args.fault_every_s, rng, row, stop, kills,  # noqa: E731
-                                             args.iterations)
-    if any(o.startswith("checkpoint.memory_save_interval=") for o in row.overrides):  # in node memory (a tmpfs by
-        overrides.append(f"checkpoint.memory_dir={args.local_root / name / 'node_memory'}")  # default): spares adopt them
+                                             args.iterations, memory_dir)
     limit_s = args.limit_s
     if name == "none" and limit_s is not None and args.reference_s is not None:
         limit_s = min(limit_s, NONE_LIMIT_FACTOR * args.reference_s)

@@ -111,10 +111,14 @@ def _judge_restart(f: Fault, run: Path, log: str, row: dict, in_process: bool = 
     if f.kind == "damage":
         m = re.search(r"iter_(\d+)_", f.note)
         damaged = int(m.group(1)) if m else None
+        fetched = damaged is not None and re.search(
+            rf"LOCAL step {damaged} of rank {f.rank} retrieved from rank \d+: .*checksum verified", log) is not None
         if damaged is not None and resumed < damaged:
             row["handled"] += f"; resumed from an OLDER step than the damaged {damaged} (its replica not used)"
-        elif damaged is not None:
-            row["handled"] += f"; step {damaged} fetched from the peer's replica"
+        elif fetched:
+            row["handled"] += f"; step {damaged} found damaged and fetched from the peer's replica"
+        elif damaged is not None:  # a newer step became complete on every rank after the kill: the damaged one unused
+            row["handled"] += f"; the newer step {resumed} was resumed: the damaged step {damaged} was not needed"
     return row
 
 

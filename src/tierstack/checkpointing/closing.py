@@ -34,12 +34,17 @@ def close_alone(handlers: Iterable[CheckpointTierHandler], error: BaseException)
     """Not collective: ``close_alone()`` every tier (its save in flight abandoned unpublished, its
     writer not waited for), then wait for its retention (bounded by the tier). A failure is logged:
     ``error``, what ended the run, is the outcome."""
-    if peer_lost(error):  # the rank's one console line says so (recipes.runner); the log file keeps this
+    from tierstack.resiliency import in_process
+
+    if in_process.interrupted():  # the abort released the groups under a collective: not this rank's fault
+        log.warning("rank %d: interrupted by an in-process restart (%s once its process groups were released); its "
+                    "checkpoints are closed without the other ranks", collectives.rank_label(), type(error).__name__)
+    elif peer_lost(error):  # the rank's one console line says so (recipes.runner); the log file keeps this
         log.warning("rank %d stops: another rank is gone; its checkpoints are closed without the other ranks",
-                    collectives.rank(), extra=FILE_ONLY)
+                    collectives.rank_label(), extra=FILE_ONLY)
     else:
         log.warning("rank %d stops on an error of its own (%s): its checkpoints are closed without the other ranks",
-                    collectives.rank(), type(error).__name__)
+                    collectives.rank_label(), type(error).__name__)
     for handler in handlers:
         try:
             handler.close_alone()

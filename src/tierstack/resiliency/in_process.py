@@ -15,7 +15,7 @@ for ``resiliency.heartbeat_timeout_s``):
    so a peer blocked on it fails at once (``runtime.release_distributed``).
 2. The main thread gets NVRx's ``RankShouldRestart``; ``pretrain``'s closers run as for any error.
 3. The ranks meet in NVRx's iteration barrier; a rank that died is replaced by a spare of its
-   own node (:func:`rank_assignment`: every healthy rank keeps its rank, so its in-memory LOCAL
+   own node (:func:`~tierstack.resiliency.spares.rank_assignment`: every healthy rank keeps its rank, so its in-memory LOCAL
    state is its own), and the training function runs again, in the same processes, on new process groups whose
    store keys carry the attempt's number (:func:`tierstack.runtime.attempt_store.use_attempt_store`).
 4. Resume selection agrees on one step as on any start; a healthy rank takes it from host memory
@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from tierstack.config import ConfigContainer, ConfigError
-from tierstack.resiliency import rank_slot, restarts, signals, warm_spare
+from tierstack.resiliency import rank_slot, restarts, signals, spares, warm_spare
 from tierstack.resiliency.liveness import Liveness
 from tierstack.runtime import attempt_store
 
@@ -159,31 +159,6 @@ def _store_class():
     return JobStore
 
 
-def rank_assignment(config: ConfigContainer):
-    """NVRx's rank assignment for this launch: a topology tree (``rank_assignment.Tree``) of the
-    job and its nodes (torchrun's ``GROUP_RANK``). Each node activates its first ``processes per
-    node - spares per node`` processes (node-major: active rank = node x active per node + index);
-    its other processes are its spares. A rank that dies is replaced by a spare of *its* node, which
-    finds the rank's node-local files and node memory there; healthy ranks keep their ranks. A node
-    with no spare left cannot replace it (no spare moves between nodes): the world would shrink,
-    which :func:`run` refuses (:class:`RestartLimitReached`, then the launcher's restart)."""
-    from nvidia_resiliency_ext.inprocess.rank_assignment import Layer, LayerFlag, Tree
-
-    r = config.resiliency
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    nodes, per_node, spares = r.spares_per_node(processes)
-    node = os.environ.get("GROUP_RANK", "0")
-    return Tree([Layer(min_ranks=1, max_ranks=processes - r.spare_ranks, key_or_fn="job"),
-                 Layer(min_ranks=1, max_ranks=per_node - spares, key_or_fn=lambda _: node, flag=LayerFlag.RESERVE)])
-
-
-def is_spare(config: ConfigContainer) -> bool:
-    """True in a process that starts as a spare: one of the last ``spares per node`` of its node
-    (torchrun's ``LOCAL_RANK``; see :func:`rank_assignment`)."""
-    _, per_node, spares = config.resiliency.spares_per_node(int(os.environ.get("WORLD_SIZE", "1")))
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) >= per_node - spares
-
-
 def wrapper_arguments(config: ConfigContainer, job_prefix: str) -> dict:
     """Keyword arguments of ``inprocess.Wrapper`` for ``config`` (timeouts from
     ``resiliency.heartbeat_timeout_s``; intervals tuned for a restart in about a second)."""
@@ -197,7 +172,7 @@ def wrapper_arguments(config: ConfigContainer, job_prefix: str) -> dict:
         abort=_ReleaseGroups(),
         finalize=_Collect(),
         health_check=None,
-        rank_assignment=rank_assignment(config),
+        rank_assignment=spares.rank_assignment(config),
         monitor_thread_interval=timedelta(seconds=MONITOR_THREAD_INTERVAL_S),
         monitor_process_interval=timedelta(seconds=MONITOR_PROCESS_INTERVAL_S),
         heartbeat_interval=timedelta(seconds=min(0.5, soft / 4)),
@@ -221,8 +196,6 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     from tierstack.checkpointing import local_memory
     from tierstack.runtime import has_gpu
 
-    if is_spare(config) and rehearse is not None:
-        warm_spare.warm_up(config, rehearse)  # a spare: its first set-up and step now, not after a failure
     _, per_node, spares = config.resiliency.spares_per_node(int(os.environ.get("WORLD_SIZE", "1")))
     job = dist.PrefixStore(job_prefix, dist.TCPStore(  # the slot's connection stays the slot's
         os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
@@ -231,7 +204,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     # NVML error per rank building them on a machine without a GPU): none on a CPU
     local_rank = None if has_gpu() else os.environ.pop("LOCAL_RANK", None)
     try:
-        wrapper = inprocess.Wrapper(**wrapper_arguments(config, job_prefix))
+        wrapper = inprocess.Wrapper(**wrapper_arguments(config, job_prefix), initialize=_Rehearse(config, rehearse))
     finally:
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = local_rank
@@ -264,6 +237,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         if n and signals.unserved_stop() is not None:  # asked to stop, but that run's last checkpoint failed
             signals.hold_stop(signals.unserved_stop())
         os.environ["LOCAL_WORLD_SIZE"] = str(per_node - spares)  # the ranks that train on a node (the layout's)
+        _timeline["attempt_start"] = time.time()
         attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
         _watch.begin(call_wrapper)
         try:
@@ -300,6 +274,12 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     local_memory.release()  # the run is done: its memory step leaves the node's memory
     rank_slot.mark_done(job)
     return 0
+
+
+def interrupted() -> bool:
+    """True once an in-process restart's abort began in this process's current attempt (the error
+    the rank's main thread meets then comes from the released process groups, not from its work)."""
+    return _timeline.get("abort_start", 0.0) > _timeline.get("attempt_start", float("inf"))
 
 
 def restart_number() -> int:
@@ -363,6 +343,29 @@ class _ReleaseGroups:
                 return state
 
         return ReleaseGroups()
+
+
+class _Rehearse:
+    """NVRx initialize (main thread, at the start of each attempt, after the ranks are assigned): a
+    spare that is inactive rehearses set-up and one step once (:func:`warm_spare.warm_up`), while
+    the active ranks already train. (Before the wrapper, the active ranks waited for every spare's
+    rehearsal in NVRx's first barrier: 23 s with 3 spares per node on 2 cores.) A failure during
+    the rehearsal interrupts it like any attempt: the spare then starts its rank cold."""
+
+    def __new__(cls, config: ConfigContainer, rehearse: Optional[Callable]):
+        from nvidia_resiliency_ext.inprocess.initialize import Initialize
+        from nvidia_resiliency_ext.inprocess.state import Mode
+
+        class Rehearse(Initialize):
+            pending = rehearse is not None
+
+            def __call__(self, state):
+                if self.pending and state.mode == Mode.INACTIVE:
+                    self.pending = False
+                    warm_spare.warm_up(config, rehearse)
+                return state
+
+        return Rehearse()
 
 
 class _Collect:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
@@ -47,6 +48,17 @@ def is_distributed() -> bool:
 
 def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
+
+
+def rank_label() -> int:
+    """This process's rank for a log message: the group's, else ``$RANK`` (e.g. after an in-process
+    restart's abort released the groups while the rank was still closing; :func:`rank` says 0 then)."""
+    if is_distributed():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def world_size() -> int:

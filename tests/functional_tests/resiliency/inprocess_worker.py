@@ -13,7 +13,8 @@ Fault, once per step listed (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTA
 rank's optimizer: the next checkpoint's check finds it) | ``term`` (SIGTERM to every active rank:
 a planned exit; once it has ended, rank 0 sends SIGTERM to the spares too and every rank waits
 3 s: the spares' deaths come after the run returned), on rank ``TIERSTACK_TEST_FAULT_RANK``
-after each step of ``TIERSTACK_TEST_FAULT_AT`` (comma-separated). Before it every rank waits for the LOCAL save in flight
+after each step of ``TIERSTACK_TEST_FAULT_AT`` (both comma-separated: the i-th step's rank is the
+i-th rank listed, or the last one). Before it every rank waits for the LOCAL save in flight
 (``CheckpointManager.wait``, collective), so the step resumed from does not depend on the speed
 of the machine. The fault's unix time goes to ``OUT_DIR/fault.json``.
 """
@@ -32,14 +33,14 @@ from nodes_worker import tiny_config  # noqa: E402
 
 def main() -> int:
     from tierstack.checkpointing import manager as manager_module
-    from tierstack.resiliency import in_process
+    from tierstack.resiliency import in_process, spares
     from tierstack.training.pretrain import pretrain
 
     out = Path(sys.argv[1])
     cfg = tiny_config(sys.argv[2:])
     fault = os.environ.get("TIERSTACK_TEST_FAULT", "")
     fault_at = [int(x) for x in os.environ.get("TIERSTACK_TEST_FAULT_AT", "0").split(",")]
-    fault_rank = int(os.environ.get("TIERSTACK_TEST_FAULT_RANK", "-1"))
+    fault_ranks = [int(x) for x in os.environ.get("TIERSTACK_TEST_FAULT_RANK", "-1").split(",")]
     managers = []
     init = manager_module.CheckpointManager.__init__
 
@@ -65,7 +66,7 @@ def main() -> int:
         marker = out / ("fault.fired" if ts.step == fault_at[0] else f"fault.fired.{ts.step}")
         if fault and ts.step in fault_at and not marker.exists():
             managers[-1].wait()  # collective: the LOCAL save in flight is sealed on every rank
-            if rank != fault_rank:
+            if rank != fault_ranks[min(fault_at.index(ts.step), len(fault_ranks) - 1)]:
                 return
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             if not (out / "fault.json").exists():
@@ -97,7 +98,7 @@ def main() -> int:
             time.sleep(3.0)
         return state
 
-    if int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]) - cfg.resiliency.spare_ranks:
+    if spares.is_spare(cfg):
         (out / f"spare_{os.environ['RANK']}.pid").write_text(str(os.getpid()))
 
     return in_process.run(cfg, train, rehearse=pretrain)  # the spare rehearses without on_step

@@ -1,5 +1,5 @@
 """Which process trains as which rank under in-process restart with spares on several nodes: NVRx's
-real ``rank_assignment.Tree`` as :func:`in_process.rank_assignment` builds it, one instance per
+real ``rank_assignment.Tree`` as :func:`spares.rank_assignment` builds it, one instance per
 simulated process (each with its own torchrun environment), exchanging their states through a real
 store, as NVRx's wrapper calls it at each restart."""
 
@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tierstack.config import ConfigContainer, ConfigError
 from tierstack.resiliency import in_process
+from tierstack.resiliency import spares as spare_layout
 
 
 def _config(spares: int):
@@ -34,8 +35,8 @@ class _Processes:
             for k, v in dict(WORLD_SIZE=n, LOCAL_WORLD_SIZE=per_node, GROUP_RANK=rank // per_node,
                              LOCAL_RANK=rank % per_node, RANK=rank).items():
                 monkeypatch.setenv(k, str(v))
-            self.trees[rank] = in_process.rank_assignment(_config(spares))
-            self.spare[rank] = in_process.is_spare(_config(spares))
+            self.trees[rank] = spare_layout.rank_assignment(_config(spares))
+            self.spare[rank] = spare_layout.is_spare(_config(spares))
             self.states[rank] = State(rank=rank, world_size=n)
 
     def restart(self, terminated: set[int]) -> dict:
