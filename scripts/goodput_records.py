@@ -18,7 +18,6 @@ failure to the first new step into its parts (:func:`split`).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 PARTS = ("detect", "process", "imports", "setup", "load")  # the split of fail->first step, in order
@@ -57,12 +56,13 @@ def final_losses(run: Path) -> dict[int, float]:
 def analyse(run: Path, kills: list) -> dict:
     """Per failure (``kills``: ``{"t": unix seconds}`` each): iterations lost (last step before it
     minus the step resumed from), seconds to the first new step and their :func:`split`; and the
-    tier each restart resumed from (``scratch`` for a fresh start after the first one)."""
+    tier each restart resumed from, from rank 0's load record between the failure and that step
+    (``scratch``: none, a fresh start). One entry per failure, whatever reaches the console (under
+    in-process restart several ranks' lines do)."""
     steps = records(run / "steps_rank0.jsonl")
-    text = (run / "launch.log").read_text(errors="replace")
-    tiers = re.findall(r"resumed from (LOCAL|GLOBAL) checkpoint at iteration (\d+)", text)
     starts = records(run / "starts.jsonl")
-    lost, recover, parts = [], [], []
+    loads = [s for s in starts if "tier" in s and s["rank"] == 0]
+    lost, recover, parts, tiers = [], [], [], []
     for k in kills:
         before = [s for s in steps if s["t"] < k["t"]]
         after = [s for s in steps if s["t"] > k["t"]]
@@ -70,9 +70,9 @@ def analyse(run: Path, kills: list) -> dict:
             lost.append(before[-1]["step"] - (after[0]["step"] - 1))
             recover.append(after[0]["t"] - k["t"])
             parts.append(split(k["t"], after[0]["t"], starts))
-    starts_from_zero = text.count("no checkpoint to resume from: fresh start") - 1
-    return {"lost": lost, "recover": recover, "parts": parts,
-            "tiers": [f"{t} {s}" for t, s in tiers] + ["scratch"] * max(0, starts_from_zero)}
+            load = [s for s in loads if k["t"] < s["t"] <= after[0]["t"]]
+            tiers.append(f"{load[0]['tier'].upper()} {load[0]['step']}" if load else "scratch")
+    return {"lost": lost, "recover": recover, "parts": parts, "tiers": tiers}
 
 
 def split(t_fail: float, t_step: float, starts: list) -> dict:
