@@ -5,7 +5,8 @@ Usage::
     .venv/bin/python scripts/bench_goodput.py [--iterations auto] [--fault-every-s auto] [--fault-factor 4]
         [--global-every auto] [--faults 3] [--seed 0] [--configs none,global,local_global,replicated,auto] [--timeout-factor 3]
         [--work-dir DIR] [--local-root auto] [--inprocess-local-every 5] [--inprocess-memory-every 1]
-    .venv/bin/python scripts/bench_goodput.py --chaos MINUTES [--seed N]   (the chaos soak: scripts/chaos.py)
+    .venv/bin/python scripts/bench_goodput.py --chaos MINUTES [--seed N] [--chaos-restart in-process|launcher]
+        [--chaos-spares 2]   (the chaos soak: scripts/chaos.py)
 
 First a calibration launch (``local_global``, two SIGKILLs, each after a sealed LOCAL save) measures
 the seconds per iteration and the restart time (kill to the first new step, the mean of the two) on
