@@ -70,6 +70,30 @@ class ResiliencyConfig(_Section):
         nodes = max(1, world_size // per_node)
         return nodes, per_node, max(0, self.spare_ranks) // nodes
 
+    def spare_split_problems(self, world_size: int, environ: Optional[dict] = None) -> list[str]:
+        """The spares leave no rank that trains, or cannot be split evenly over the nodes of a launch
+        of ``world_size`` processes (then the ranks that train, and so every rule of the layout, are
+        unknown: report this alone). An even split of fewer spares than processes leaves each node
+        a rank that trains."""
+        if not self.in_process:
+            return []
+        if self.spare_ranks >= world_size:
+            return [f"resiliency.spare_ranks={self.spare_ranks}: must be < the {world_size} processes started "
+                    "(torchrun --nproc-per-node counts the spares too)"]
+        nodes, _, _ = self.spares_per_node(world_size, environ)
+        if nodes > 1 and self.spare_ranks % nodes:
+            return [f"resiliency.spare_ranks={self.spare_ranks}: must be a multiple of the {nodes} nodes (each node "
+                    "keeps the same number of spares, so that a rank is replaced on its own node)"]
+        return []
+
+    def active_ranks_per_node(self, world_size: int, environ: Optional[dict] = None) -> Optional[int]:
+        """Ranks that train on each node under in-process restart (processes per node minus that
+        node's spares); None without it (every process trains: the layout's default)."""
+        if not self.in_process:
+            return None
+        _, per_node, spares = self.spares_per_node(world_size, environ)
+        return max(1, per_node - spares)
+
     def launcher_problems(self, world_size: int, environ: Optional[dict] = None) -> list[str]:
         """Rules that need the launch: ``world_size`` processes started (spares included).
 
@@ -77,22 +101,12 @@ class ResiliencyConfig(_Section):
         launcher can (``torchrun --max-restarts N`` with N >= 1). With neither, a rank that dies
         cannot be replaced, and the in-process restart would wait for it in vain: refused. On
         several nodes each node keeps the same number of spares (``spare_ranks`` divisible by the
-        nodes) and at least one rank that trains.
+        nodes).
         """
         if not self.in_process:
             return []
         env = os.environ if environ is None else environ
-        p: list[str] = []
-        if self.spare_ranks >= world_size:
-            p.append(f"resiliency.spare_ranks={self.spare_ranks}: must be < the {world_size} processes started "
-                     "(torchrun --nproc-per-node counts the spares too)")
-        nodes, per_node, spares = self.spares_per_node(world_size, env)
-        if nodes > 1 and self.spare_ranks % nodes:
-            p.append(f"resiliency.spare_ranks={self.spare_ranks}: must be a multiple of the {nodes} nodes (each node "
-                     "keeps the same number of spares, so that a rank is replaced on its own node)")
-        elif nodes > 1 and spares >= per_node:
-            p.append(f"resiliency.spare_ranks={self.spare_ranks}: {spares} per node leaves no rank that trains on "
-                     f"a node of {per_node} processes (torchrun --nproc-per-node counts the spares too)")
+        p = self.spare_split_problems(world_size, env)
         outer = int(env.get(MAX_RESTARTS_ENV, "0") or 0)
         if self.spare_ranks == 0 and outer == 0:
             p.append("resiliency.spare_ranks=0 with a launcher that cannot replace a process "

@@ -95,9 +95,10 @@ def run(
             return _show(config, config_fn, known)
         # several ranks under torchrun: the directories are checked by every rank in setup, together
         # (a node-local directory can be fine on one node and not on another)
-        config.validate(_active_ranks(config, world_size),
-                        check_paths=nproc is not None or not under_torchrun() or world_size == 1)
+        # first: the spares decide which ranks train, and so the layout every other rule checks
         _check_restart(config, world_size, (known.max_restarts or 0) if nproc is not None else None)
+        config.validate(_active_ranks(config, world_size), ranks_per_node=config.resiliency.active_ranks_per_node(
+            world_size), check_paths=nproc is not None or not under_torchrun() or world_size == 1)
     except ConfigError as exc:
         _report(str(exc))
         if nproc is None and under_torchrun():

@@ -92,10 +92,11 @@ def check(config: ConfigContainer, processes: int, environ: Optional[dict] = Non
     """
     r = config.resiliency
     problems = r.launcher_problems(processes, environ)
-    _, per_node, spares = r.spares_per_node(processes, environ)
+    if r.spare_split_problems(processes, environ):  # the ranks that train are unknown: nothing else to check
+        raise ConfigError(problems)
     try:
-        config.validate(max(1, processes - max(0, r.spare_ranks)), ranks_per_node=max(1, per_node - spares),
-                        check_paths=False)
+        config.validate(max(1, processes - max(0, r.spare_ranks)), ranks_per_node=r.active_ranks_per_node(
+            processes, environ), check_paths=False)
     except ConfigError as e:
         problems = list(e.problems) + problems
     if not r.in_process:

@@ -32,6 +32,16 @@ _WARM_MODULES = (  # what set-up and the first step import on their way (a spare
     "tierstack.observability.plots", "matplotlib.backends.backend_agg", "matplotlib.figure",
     "tierstack.resiliency.restarts", "tierstack.hf.pretrained", "tierstack.training.optim",
     "tierstack.training.forward", "tierstack.training.setup", "tierstack.training.train",
+    # what the first set-up, steps and saves import lazily besides (found by diffing sys.modules
+    # around a first run): an interruption during an active rank's first set-up cut torch._dynamo's
+    # import in half, and every later attempt failed on the half-imported module (break-it pass)
+    "torch._dynamo", "numpy.fft", "megatron.core.models.mimo",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
+    "tierstack.observability.tensorboard_logger", "tierstack.training.closers", "tierstack.training.reporting",
+    "tierstack.training.pretrain", "torch.profiler._cupti_monitor", "torch.utils.serialization",
 )
 
 
@@ -90,5 +100,7 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
     if failed is not None:  # said once logging is on again (it was off for the rehearsal's own lines)
         log.warning("spare warm-up failed (%s: %s); the spare starts cold", type(failed).__name__, failed)
     seconds = time.perf_counter() - t0
-    log.info("spare %s: warmed up in %.2f s", saved.get("RANK", "?"), seconds)
+    # which process: node and local rank (RANK says nothing here: NVRx sets it to "None" in a spare)
+    log.info("spare (node %s, local rank %s, pid %d): warmed up in %.2f s", os.environ.get("GROUP_RANK", "0"),
+             saved.get("LOCAL_RANK", "?"), os.getpid(), seconds)
     return seconds

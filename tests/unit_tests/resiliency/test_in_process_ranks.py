@@ -88,12 +88,17 @@ def test_on_one_node_the_last_processes_are_the_spares_as_before(monkeypatch):
 
 @pytest.mark.parametrize("spares,per_node,message", [
     (1, 2, "resiliency.spare_ranks=1: must be a multiple of the 2 nodes"),
-    (4, 2, "resiliency.spare_ranks=4: 2 per node leaves no rank that trains on a node of 2 processes"),
+    (3, 3, "resiliency.spare_ranks=3: must be a multiple of the 2 nodes"),
+    (4, 2, "resiliency.spare_ranks=4: must be < the 4 processes started"),
 ])
-def test_spares_that_cannot_be_split_over_the_nodes_are_refused_naming_the_field(spares, per_node, message):
+def test_spares_that_cannot_be_split_over_the_nodes_are_refused_alone_naming_the_field(spares, per_node, message):
+    """Alone: with an odd number of ranks that train, the tensor-parallel, batch and replication
+    rules fail too, but only as a consequence (a break-it pass saw a TP divisibility error instead)."""
+    cfg = _config(spares).apply_overrides(["distributed.tensor_model_parallel_size=2", "checkpoint.replication_factor=2",
+                                           "checkpoint.local_dir=/tmp/x"])
     with pytest.raises(ConfigError) as err:
-        in_process.check(_config(spares), 2 * per_node, environ={"LOCAL_WORLD_SIZE": str(per_node)})
-    assert message in str(err.value)
+        in_process.check(cfg, 2 * per_node, environ={"LOCAL_WORLD_SIZE": str(per_node), "TORCHELASTIC_MAX_RESTARTS": "1"})
+    assert err.value.problems == [next(p for p in err.value.problems if message in p)], err.value.problems
 
 
 def test_the_layout_checks_see_the_ranks_that_train_on_each_node():
