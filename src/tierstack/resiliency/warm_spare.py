@@ -32,16 +32,6 @@ _WARM_MODULES = (  # what set-up and the first step import on their way (a spare
     "tierstack.observability.plots", "matplotlib.backends.backend_agg", "matplotlib.figure",
     "tierstack.resiliency.restarts", "tierstack.hf.pretrained", "tierstack.training.optim",
     "tierstack.training.forward", "tierstack.training.setup", "tierstack.training.train",
-    # what the first set-up, steps and saves import lazily besides (found by diffing sys.modules
-    # around a first run): an interruption during an active rank's first set-up cut torch._dynamo's
-    # import in half, and every later attempt failed on the half-imported module (break-it pass)
-    "torch._dynamo", "numpy.fft", "megatron.core.models.mimo",
-    "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
-    "tierstack.observability.tensorboard_logger", "tierstack.training.closers", "tierstack.training.reporting",
-    "tierstack.training.pretrain", "torch.profiler._cupti_monitor", "torch.utils.serialization",
 )
 
 

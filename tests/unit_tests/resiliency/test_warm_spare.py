@@ -38,38 +38,3 @@ def test_a_failed_rehearsal_is_logged(tmp_path, caplog):
         warm_spare.warm_up(_in_process_config(tmp_path), train)
     assert "spare warm-up failed (RuntimeError: no data here); the spare starts cold" in caplog.text
 
-
-_FIRST_RUN = r"""
-import json, sys
-from tierstack.resiliency import warm_spare
-from tierstack.recipes import gpt_tiny_config
-from tierstack import pretrain
-warm_spare.warm_imports()
-before = set(sys.modules)
-out = sys.argv[1]
-pretrain(gpt_tiny_config().apply_overrides([
-    "train.train_iters=4", "train.eval_interval=null", "dataset.mock=true", "logger.progress_bar=false",
-    "logger.loss_curve=false", "mlflow=null", "straggler=null", f"logger.run_dir={out}", f"checkpoint.save={out}/g",
-    f"checkpoint.local_dir={out}/l", "checkpoint.local_save_interval=2", "checkpoint.save_interval=3",
-    "distributed.tensor_model_parallel_size=1", "train.global_batch_size=4", "train.micro_batch_size=4"]))
-print(json.dumps(sorted(set(sys.modules) - before)))
-"""
-
-
-def test_the_first_set_up_steps_and_saves_import_nothing_the_warm_imports_left_out(tmp_path):
-    """What a rank imports during its first set-up, steps and saves is imported before any attempt
-    (in the rank slot, before the fork): NVRx's interruption can cut an import in half, and a
-    half-imported module fails every later attempt of the process (a break-it pass: torch._dynamo,
-    imported lazily on the first step, was cut by a spare's death; every restart then raised
-    "partially initialized module 'torch._dynamo'"). A fresh interpreter, since this one's modules
-    are whatever earlier tests imported."""
-    import json
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _FIRST_RUN, str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    late = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [m for m in late if m.split(".")[0] in ("torch", "megatron", "nvidia_resiliency_ext", "numpy")
-            or m.startswith(("tierstack.checkpointing", "tierstack.training", "tierstack.models", "tierstack.data"))] == []
