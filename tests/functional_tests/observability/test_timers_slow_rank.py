@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.slow
 def test_the_slow_rank_is_named_in_every_log_line(tmp_path, pretrain_run):
-    log = pretrain_run(tmp_path, 1, 6.0, "straggler=null", "mlflow=null", "checkpoint.save_interval=null",
+    log = pretrain_run(tmp_path, 1, 10.0, "straggler=null", "mlflow=null", "checkpoint.save_interval=null",
                        "checkpoint.local_save_interval=null")
     records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "timers/slowest_rank" in r]
