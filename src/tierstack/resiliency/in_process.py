@@ -197,7 +197,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
     from tierstack.checkpointing import local_memory
     from tierstack.runtime import has_gpu
 
-    _, per_node, spares = config.resiliency.spares_per_node(int(os.environ.get("WORLD_SIZE", "1")))
+    active_per_node = config.resiliency.active_ranks_per_node(int(os.environ.get("WORLD_SIZE", "1")))
     job = dist.PrefixStore(job_prefix, dist.TCPStore(  # the slot's connection stays the slot's
         os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timedelta(seconds=timeout_s)))
@@ -237,7 +237,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
                         f"{_timeline['abort_end'] - aborted:.2f} s releasing the process groups)")
         if n and signals.unserved_stop() is not None:  # asked to stop, but that run's last checkpoint failed
             signals.hold_stop(signals.unserved_stop())
-        os.environ["LOCAL_WORLD_SIZE"] = str(per_node - spares)  # the ranks that train on a node (the layout's)
+        os.environ["LOCAL_WORLD_SIZE"] = str(active_per_node)  # the ranks that train on a node (the layout's)
         _timeline["attempt_start"] = time.time()
         attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
         _watch.begin(call_wrapper)

@@ -20,14 +20,14 @@ def rank_assignment(config: ConfigContainer):
 
     r = config.resiliency
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    nodes, per_node, spares = r.spares_per_node(processes)
     node = os.environ.get("GROUP_RANK", "0")
     return Tree([Layer(min_ranks=1, max_ranks=processes - r.spare_ranks, key_or_fn="job"),
-                 Layer(min_ranks=1, max_ranks=per_node - spares, key_or_fn=lambda _: node, flag=LayerFlag.RESERVE)])
+                 Layer(min_ranks=1, max_ranks=r.active_ranks_per_node(processes), key_or_fn=lambda _: node,
+                       flag=LayerFlag.RESERVE)])
 
 
 def is_spare(config: ConfigContainer) -> bool:
     """True in a process that starts as a spare: one of the last ``spares per node`` of its node
     (torchrun's ``LOCAL_RANK``; see :func:`rank_assignment`)."""
-    _, per_node, spares = config.resiliency.spares_per_node(int(os.environ.get("WORLD_SIZE", "1")))
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) >= per_node - spares
+    active = config.resiliency.active_ranks_per_node(int(os.environ.get("WORLD_SIZE", "1")))
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) >= active
