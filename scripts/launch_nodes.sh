@@ -94,8 +94,9 @@ for ((i = 0; i < NODES; i++)); do
 done
 
 STATUS=0
-for p in "${PIDS[@]}"; do
-  wait "$p"; rc=$?
+for i in "${!PIDS[@]}"; do
+  wait "${PIDS[$i]}"; rc=$?
+  [[ $rc -ne 0 ]] && echo "launch_nodes.sh: node $i's torchrun exited with status $rc" >&2
   [[ $STATUS -eq 0 && $rc -ne 0 ]] && STATUS=$rc
 done
 exit $STATUS

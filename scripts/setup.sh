@@ -49,6 +49,19 @@ if [ -x "$venv/bin/python" ] && ! "$venv/bin/python" -c 'import sys; sys.exit(0 
   echo "recreating $venv: it was made with $("$venv/bin/python" --version 2>&1), tierstack needs 3.12"
   rm -rf "$venv"
 fi
+# Room first: PyTorch with its CUDA libraries makes the venv about 6 GiB, and pip needs its downloads
+# beside it. A full disk otherwise surfaces minutes later as pip's "OSError: [Errno 28]".
+need_gib=8
+free_gib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+if [ ! -f "$stamp" ]; then  # a first install (an update installs only what changed)
+  have="$(free_gib "$root")"
+  if [ -n "$have" ] && [ "$have" -lt "$need_gib" ]; then
+    echo "not enough disk space to install tierstack: $have GiB free on the file system of $root," >&2
+    echo "about $need_gib GiB needed (the venv, PyTorch with its CUDA libraries: ~6 GiB; pip's downloads)." >&2
+    echo "Free some space there (e.g. old virtualenvs, ~/.cache/pip) and run this again." >&2
+    exit 1
+  fi
+fi
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install --quiet -c constraints.txt pip

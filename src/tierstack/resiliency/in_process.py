@@ -203,6 +203,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
         timeout=timedelta(seconds=timeout_s)))
     # NVRx adds NVML GPU/NVLink/NIC checks before each restart when LOCAL_RANK is set (and logs an
     # NVML error per rank building them on a machine without a GPU): none on a CPU
+    warm_spare.import_first_use_modules()  # never cut in half by an interruption (see there)
     local_rank = None if has_gpu() else os.environ.pop("LOCAL_RANK", None)
     try:
         wrapper = inprocess.Wrapper(**wrapper_arguments(config, job_prefix), initialize=_Rehearse(config, rehearse))
@@ -258,7 +259,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
 
     attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
     with inprocess.CallWrapper(wrapper) as call_wrapper:  # what ``wrapper(attempt)()`` does, with its watchdog at hand
-        liveness = Liveness(call_wrapper.progress_watchdog, PROGRESS_INTERVAL_S)
+        liveness = Liveness(call_wrapper.progress_watchdog, PROGRESS_INTERVAL_S, vouch=lambda: not interrupted())
         try:
             call_wrapper(attempt, (), {})
         except RankDiscarded:  # taken out of the job (it hung: NVRx resumed it to end it); the job goes on

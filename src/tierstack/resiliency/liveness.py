@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 
 class Liveness:
@@ -27,11 +28,25 @@ class Liveness:
     thread in a store wait) and healthy ranks inside a collective still reached the soft timeout
     now and then (seen in the goodput benchmark: 2 restarts no rank had asked for in 40 s, with 3
     spares on 2 cores).
+
+    Except after an abort: while ``vouch()`` is false (an in-process restart's abort began in this
+    attempt), the thread vouches for nothing, until it is true again (the next attempt). From the
+    abort to NVRx's restart barrier the main thread must leave its work, running Python; one that
+    stays blocked in C (a process-group creation waiting for a peer that is gone: a break-it pass
+    saw a rank wait there for ``distributed.timeout_s``, 4 minutes, and the job with it) now meets
+    NVRx's hard timeout like a hung rank: it is terminated and replaced (a spare, or the
+    launcher's restart) about ``resiliency.heartbeat_timeout_s`` x 1.5 after the abort.
+
+    Args:
+        watchdog: NVRx's ``ProgressWatchdog`` of the rank (``CallWrapper.progress_watchdog``).
+        interval_s: seconds between two progress messages of this thread.
+        vouch: whether the process may be vouched for now (default: always).
     """
 
-    def __init__(self, watchdog, interval_s: float) -> None:
+    def __init__(self, watchdog, interval_s: float, vouch: Callable[[], bool] = lambda: True) -> None:
         self._alive = time.monotonic()
         self._interval_s = interval_s
+        self._vouch = vouch
         send = watchdog.send
 
         def send_newest() -> None:
@@ -47,8 +62,9 @@ class Liveness:
 
     def _run(self, watchdog) -> None:
         while not self._stop.wait(self._interval_s):
-            self._alive = time.monotonic()
-            watchdog.reset()
+            if self._vouch():
+                self._alive = time.monotonic()
+                watchdog.reset()
 
     def close(self) -> None:
         self._stop.set()

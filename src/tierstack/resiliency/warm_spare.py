@@ -48,6 +48,40 @@ def warm_imports() -> None:
     gc.freeze()
 
 
+_FIRST_USE_MODULES = (  # imported lazily by the first set-up, steps and saves (found by diffing sys.modules)
+    "torch._dynamo", "numpy.fft", "megatron.core.models.mimo",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader",
+    "tierstack.observability.tensorboard_logger", "tierstack.training.closers", "tierstack.training.reporting",
+    "tierstack.training.pretrain", "torch.profiler._cupti_monitor", "torch.utils.serialization",
+    "megatron.core.datasets.helpers", "tierstack.resiliency.heartbeat",
+    # the loss curve's first PNG: Pillow's image plugins (PIL.Image.preinit)
+    "PIL.BmpImagePlugin", "PIL.GifImagePlugin", "PIL.JpegImagePlugin", "PIL.PpmImagePlugin", "PIL.PngImagePlugin",
+)
+
+
+def import_first_use_modules() -> float:
+    """Import, in the rank's own process before NVRx's wrapper exists, what the first attempt would
+    import lazily on its way; returns the seconds it took (about 0.5 s here, mostly torch._dynamo).
+
+    Why: NVRx interrupts an attempt by raising in the main thread wherever it is. An import cut in
+    half leaves its package without the attribute (``sympy.core``, ``torch._dynamo.utils``) and
+    every later attempt of the process then fails the same way (a break-it pass: a spare killed
+    while the ranks set up; reproduced by raising into ``import torch._dynamo`` at 0.2-1.0 s).
+    Before the wrapper nothing interrupts. Not in the rank slot before the fork (with the imports
+    of :func:`warm_imports`): tried there, a fresh clone's suite had an in-process launch that
+    never ended, not understood; here each rank pays it once, as its first step did before.
+    """
+    import importlib
+
+    t0 = time.perf_counter()
+    for name in _FIRST_USE_MODULES:
+        importlib.import_module(name)
+    return time.perf_counter() - t0
+
+
 _WARM_ENV = ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 

@@ -9,7 +9,8 @@ float hex (bit-identical comparisons), the process id, the unix time at the end 
 the node (torchrun's ``GROUP_RANK``).
 
 Fault, once per step listed (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
-``raise`` | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
+``raise`` | ``raise_peer_blocked`` (the rank raises while every other active rank blocks in C, in a
+600 s ``time.sleep``, as in a process-group creation waiting for a peer that is gone) | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
 rank's optimizer: the next checkpoint's check finds it) | ``term`` (SIGTERM to every active rank:
 a planned exit; once it has ended, rank 0 sends SIGTERM to the spares too and every rank waits
 3 s: the spares' deaths come after the run returned), on rank ``TIERSTACK_TEST_FAULT_RANK``
@@ -67,12 +68,15 @@ def main() -> int:
         if fault and ts.step in fault_at and not marker.exists():
             managers[-1].wait()  # collective: the LOCAL save in flight is sealed on every rank
             if rank != fault_ranks[min(fault_at.index(ts.step), len(fault_ranks) - 1)]:
+                if fault == "raise_peer_blocked":  # blocked in C: NVRx's interruption cannot end it
+                    print(f"BLOCKED rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
+                    time.sleep(600)
                 return
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             if not (out / "fault.json").exists():
                 (out / "fault.json").write_text(json.dumps({"fault": fault, "t": time.time(), "pid": os.getpid()}))
             print(f"FAULT {fault} on rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
-            if fault == "raise":
+            if fault in ("raise", "raise_peer_blocked"):
                 raise RuntimeError(f"injected failure on rank {rank} after step {ts.step}")
             if fault == "nonfinite":
                 from tierstack.checkpointing.state import torch_optimizers

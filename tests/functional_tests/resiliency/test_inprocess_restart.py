@@ -59,8 +59,9 @@ def _fail_to_first_step_s(out: Path, records: list) -> float:
     return records[again]["t"] - t
 
 
-def _check(tmp_path, uninterrupted, fault: str, resumed: int = 10, in_memory=(0,), extra=()):
-    """``resumed``: the step every rank must resume; ``in_memory``: the ranks that take it from memory."""
+def _check(tmp_path, uninterrupted, fault: str, resumed: int = 10, in_memory=(0,), extra=(), healthy=0):
+    """``resumed``: the step every rank must resume; ``in_memory``: the ranks that take it from
+    memory; ``healthy``: a rank that must keep its process."""
     out = tmp_path / fault
     proc, log, records = _launch(out, fault, extra=extra)
     assert proc.returncode == 0, log[-6000:]
@@ -76,7 +77,7 @@ def _check(tmp_path, uninterrupted, fault: str, resumed: int = 10, in_memory=(0,
         assert [x["step"] for x in records[rank]][-(30 - resumed):] == list(range(resumed + 1, 31))
         final = {x["step"]: x["loss"] for x in records[rank]}  # the last record of each step
         assert final == {x["step"]: x["loss"] for x in uninterrupted[rank]}, rank
-    assert len({x["pid"] for x in records[0]}) == 1  # the healthy rank kept its process
+    assert len({x["pid"] for x in records[healthy]}) == 1  # the healthy rank kept its process
     # the loss curve is drawn at the end, not on the restart's path (where NVRx's interruption cut
     # a matplotlib import in half and every later plot of the job failed)
     assert "could not write the loss curve" not in log, log[-6000:]
@@ -105,6 +106,19 @@ def test_a_stopped_rank_is_killed_after_the_heartbeat_timeout_and_replaced(tmp_p
     pids = [x["pid"] for x in records[1]]
     assert pids[0] != pids[-1]
     assert fail_s > 2.0  # found by the heartbeat timeout (resiliency.heartbeat_timeout_s=2), not before
+
+
+@pytest.mark.slow
+def test_a_rank_blocked_in_c_after_the_abort_is_killed_and_replaced_not_waited_for(tmp_path, uninterrupted):
+    """Rank 1 raises while rank 0 is blocked in C (a 600 s sleep; a break-it pass saw a rank stuck
+    in process-group creation for ``distributed.timeout_s``, 4 minutes, and the whole job with it):
+    an async exception cannot reach it, so after the abort nothing vouches for it any more, NVRx's
+    hard timeout (2 s + 1 s here) kills it and the spare takes rank 0. Rank 1 keeps its process and
+    its memory; the spare reads rank 0's file; the losses are the uninterrupted run's."""
+    records, fail_s = _check(tmp_path, uninterrupted, "raise_peer_blocked", in_memory=(1,), healthy=1)
+    pids0, pids1 = [x["pid"] for x in records[0]], [x["pid"] for x in records[1]]
+    assert pids0[0] != pids0[-1] and len(set(pids1)) == 1  # rank 0 replaced; rank 1 restarted in its process
+    assert fail_s < 60.0, fail_s  # not the 600 s block, nor distributed.timeout_s
 
 
 MEMORY_STEPS = ["checkpoint.memory_save_interval=1"]

@@ -38,3 +38,45 @@ def test_a_failed_rehearsal_is_logged(tmp_path, caplog):
         warm_spare.warm_up(_in_process_config(tmp_path), train)
     assert "spare warm-up failed (RuntimeError: no data here); the spare starts cold" in caplog.text
 
+
+
+_FIRST_RUN = r"""
+import json, sys
+from tierstack.resiliency import warm_spare
+from tierstack.recipes import gpt_tiny_config
+from tierstack.resiliency import in_process  # the rank's own code: imported before its first attempt
+warm_spare.warm_imports()
+warm_spare.import_first_use_modules()
+before = set(sys.modules)
+from tierstack import pretrain
+out = sys.argv[1]
+pretrain(gpt_tiny_config().apply_overrides([
+    "train.train_iters=4", "train.eval_interval=2", "train.eval_iters=1", "dataset.mock=true",
+    "logger.progress_bar=false", "mlflow=null", "straggler=null", f"logger.run_dir={out}",
+    f"checkpoint.save={out}/g", f"checkpoint.local_dir={out}/l", "checkpoint.local_save_interval=2",
+    "checkpoint.save_interval=3", "distributed.tensor_model_parallel_size=1", "train.global_batch_size=4",
+    "train.micro_batch_size=4"]))
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_a_first_run_imports_nothing_after_the_ranks_imports_before_the_wrapper(tmp_path):
+    """What a rank's first set-up, evaluation, steps and saves import is imported before NVRx's
+    wrapper exists (``warm_imports`` in the slot, ``import_first_use_modules`` in the rank):
+    NVRx's interruption can cut an import in half, and every later attempt of that process then
+    fails on the half-imported package (torch._dynamo, imported lazily by the first optimizer
+    step, was cut by a spare's death in a break-it pass). A fresh interpreter, since this one's
+    modules are whatever earlier tests imported; run as a rank without in-process restart runs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FIRST_RUN, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    late = json.loads(proc.stdout.strip().splitlines()[-1])
+    watched = ("torch", "megatron", "nvidia_resiliency_ext", "numpy", "sympy", "matplotlib", "PIL")
+    assert [m for m in late if m.split(".")[0] in watched or m.startswith((
+        "tierstack.checkpointing", "tierstack.training", "tierstack.models", "tierstack.data",
+        "tierstack.resiliency", "tierstack.runtime"))] == []
