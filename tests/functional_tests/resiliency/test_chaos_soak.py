@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,6 +27,7 @@ def test_a_short_chaos_soak_handles_every_fault_and_matches_the_failure_free_run
                       "--work-dir", str(tmp_path / "work"), "--local-root", str(tmp_path / "node_local")],
                      timeout=900, cwd=REPO)
     out = proc.stdout + proc.stderr
+    assert (tmp_path / "work" / "chaos_summary.json").is_file(), (proc.returncode, out[-6000:])
     summary = json.loads((tmp_path / "work" / "chaos_summary.json").read_text())
     kinds = {f["kind"] for f in summary["faults"]}
     assert kinds == {"damage", "eio", "slow", "kill", "enospc", "node", "hang"}, out[-4000:]
