@@ -95,17 +95,44 @@ def schedule(seed: int, iterations: int, count: int, kinds: tuple, local_every: 
         step = int(lo + (i + rng.uniform(0.2, 0.8)) * span)
         if kind in ("eio", "enospc"):
             step = _free_save(step, global_every, used, hi)
-        elif kind == "slow":
-            step = _free_save(step, local_every, used, hi)
+        elif kind == "slow":  # a LOCAL save that is no GLOBAL one: those are kept for eio and enospc
+            step = _free_save(step, local_every, used, hi, avoid=range(global_every, hi, global_every))
         faults.append(Fault(kind, step, rng.randrange(2)))
+    _clear_global_saves(faults, lo, hi)
     return sorted(faults, key=lambda f: f.step)
 
 
-def _free_save(step: int, every: int, used: set, hi: int) -> int:
-    """The save step nearest ``step`` (a multiple of ``every``, below ``hi``) no other I/O fault uses."""
+GLOBAL_SETTLE_STEPS = 6  # iterations a GLOBAL save with an I/O fault gets to retry and publish
+
+
+def _clear_global_saves(faults: list[Fault], lo: int, hi: int) -> None:
+    """Move a process fault that would land within :data:`GLOBAL_SETTLE_STEPS` after a GLOBAL save
+    with an I/O fault to just after that window (or, past the end, to before the save): the
+    asynchronous save, its retry and its publication take a few iterations, and a rank that dies
+    meanwhile cuts it (correctly, nothing published is lost), which leaves the I/O fault's own
+    handling unjudgeable. Seen: EIO at step 50, a node replacement at 52, "published: False"."""
+    saves = sorted(f.step for f in faults if f.kind in ("eio", "enospc"))
+    taken = {f.step for f in faults}
+    for f in faults:
+        if f.kind not in PROCESS_KINDS:
+            continue
+        for g in saves:
+            if g <= f.step < g + GLOBAL_SETTLE_STEPS:
+                options = [x for x in (*range(g + GLOBAL_SETTLE_STEPS, hi), *range(g - 2, lo, -1))
+                           if x not in taken and not any(h <= x < h + GLOBAL_SETTLE_STEPS for h in saves)]
+                if options:
+                    taken.discard(f.step)
+                    f.step = options[0]
+                    taken.add(f.step)
+                break
+
+
+def _free_save(step: int, every: int, used: set, hi: int, avoid=()) -> int:
+    """The save step nearest ``step`` (a multiple of ``every``, below ``hi``, not in ``avoid``) no
+    other I/O fault uses."""
     near = max(every, round(step / every) * every)
     for s in sorted(range(every, hi, every), key=lambda s: abs(s - near)):
-        if s not in used:
+        if s not in used and s not in avoid:
             used.add(s)
             return s
     raise ValueError(f"no free save step for an I/O fault near {step}")

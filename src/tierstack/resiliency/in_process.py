@@ -41,6 +41,7 @@ import torch.distributed as dist
 from tierstack.config import ConfigContainer, ConfigError
 from tierstack.resiliency import rank_slot, restarts, signals, spares, warm_spare
 from tierstack.resiliency.liveness import Liveness
+from tierstack.resiliency.repeated_failure import RepeatedFailure
 from tierstack.runtime import attempt_store
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,13 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             if raised_on_every_rank(e):
                 job.set(AGREED_STOP_KEY, f"{type(e).__name__}: {str(e)[:200]}")
                 raise AgreedStop(e) from e
+            if _failures.is_repeated(e, _watch._wrapper is not None, interrupted()):  # damaged: a fresh process
+                log.error("rank %s: attempt %d failed before its first step as the one before it did (%s: %s): "
+                          "this process leaves the job so that a fresh one takes its rank", os.environ.get("RANK"),
+                          n, type(e).__name__, str(e)[:300])
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(rank_slot.DISCARDED)  # its monitor process reports it gone; its slot waits quietly
             raise
         finally:
             _watch.end()
@@ -302,6 +310,7 @@ class _HangWatch:
 
     def step_done(self) -> None:
         if self._wrapper is not None:
+            _failures.succeeded()
             if self._wrapper.iteration:
                 log.info("in-process restart %d: first step done %.2f s after the attempt began (set-up, resume, "
                          "step)", self._wrapper.iteration, time.time() - self._began)
@@ -312,6 +321,7 @@ class _HangWatch:
 
 
 _watch = _HangWatch()
+_failures = RepeatedFailure()  # this process's failed attempts (a damaged process leaves the job)
 _timeline: dict[str, float] = {}  # unix times of this process's last abort (the restart's log line)
 
 

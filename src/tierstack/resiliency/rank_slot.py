@@ -31,6 +31,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 DONE_KEY = "job/done"
+GONE_KEY = "job/gone"  # how many rank processes of the job died or were discarded (their slots wait)
 DISCARDED = 75  # a rank's exit status meaning "taken out of the job, which goes on": its slot waits
 _POLL_S = 0.2  # how often an orphaned slot looks for the end of the job (and for its agent)
 
@@ -77,6 +78,7 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
         return 128 + _forwarded[0]
     log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it",
                 os.environ.get("RANK", "?"), pid, how)
+    store.add(GONE_KEY, 1)
     return wait_for_job(store)
 
 
@@ -91,10 +93,13 @@ def _forward(child: int, signum: int) -> None:
         os._exit(128 + signum)
 
 
-def wait_for_job(store: dist.Store, parent: Optional[int] = None) -> int:
-    """Block until :data:`DONE_KEY` is set in ``store`` (returns 0) or this process's parent (the
-    torchrun agent) is gone (returns 1)."""
+def wait_for_job(store: dist.Store, parent: Optional[int] = None, processes: Optional[int] = None) -> int:
+    """Block until :data:`DONE_KEY` is set in ``store`` (returns 0), this process's parent (the
+    torchrun agent) is gone, or every one of the job's ``processes`` rank processes (default:
+    torchrun's ``WORLD_SIZE``, spares included) died (:data:`GONE_KEY`; returns 1, so that the
+    launcher ends the job or restarts it: no process is left to finish it, nor to say so)."""
     parent = os.getppid() if parent is None else parent
+    processes = int(os.environ.get("WORLD_SIZE", "1")) if processes is None else processes
     while True:
         try:
             store.wait([DONE_KEY], timedelta(seconds=_POLL_S))
@@ -104,6 +109,14 @@ def wait_for_job(store: dist.Store, parent: Optional[int] = None) -> int:
         except Exception:  # noqa: BLE001 - the store's host is gone: the job is over, and not by us
             return 1
         if os.getppid() != parent:
+            return 1
+        try:
+            gone = store.add(GONE_KEY, 0)
+        except Exception:  # noqa: BLE001 - as above
+            return 1
+        if gone >= processes:
+            log.error("rank slot %s: every one of the job's %d rank processes is gone (spares included) and "
+                      "the job did not finish: the slot exits with an error", os.environ.get("RANK", "?"), gone)
             return 1
         time.sleep(0.01)
 

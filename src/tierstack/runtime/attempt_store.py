@@ -57,6 +57,28 @@ def use_attempt_store(store: Optional[dist.Store]) -> None:
     _given = store
 
 
+def meet(store: dist.Store, world_size: int, timeout_s: float) -> None:
+    """Wait, in Python, until ``world_size`` ranks called this on ``store`` (a fresh prefix).
+
+    Why: under in-process restart a rank that fails before its process groups exist (during its
+    set-up) leaves the others inside gloo's rendezvous of ``init_process_group``, blocked in C
+    where NVRx's interruption cannot reach them: each was then killed by NVRx's hard timeout and
+    replaced, losing its process. Polling here (one store call every 10 ms) keeps the main thread
+    in Python until every rank is there, so the interruption ends the wait; once all have met,
+    the groups are built with every rank present.
+
+    Raises:
+        StartHandshakeError: fewer than ``world_size`` ranks came within ``timeout_s`` seconds.
+    """
+    store.add("meet", 1)
+    deadline = time.monotonic() + timeout_s
+    while (n := store.add("meet", 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise StartHandshakeError(f"{n} of {world_size} ranks met before their process groups within "
+                                      f"{timeout_s:g} s (distributed.timeout_s)")
+        time.sleep(_POLL_S)
+
+
 class StartHandshakeError(RuntimeError):
     """The ranks of this start did not all meet in the store within the timeout."""
 
@@ -84,6 +106,7 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> Optional[dist
         StartHandshakeError: the other ranks (rank 0: which ones) did not join within ``timeout_s``.
     """
     if _given is not None:
+        meet(_given, world_size, timeout_s)
         return _given
     if not uses_agent_store():
         return None

@@ -10,7 +10,9 @@ the node (torchrun's ``GROUP_RANK``).
 
 Fault, once per step listed (an ``O_EXCL`` marker in OUT_DIR decides): ``TIERSTACK_TEST_FAULT`` =
 ``raise`` | ``raise_peer_blocked`` (the rank raises while every other active rank blocks in C, in a
-600 s ``time.sleep``, as in a process-group creation waiting for a peer that is gone) | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
+600 s ``time.sleep``, as in a process-group creation waiting for a peer that is gone) | ``damaged``
+(the rank raises, and every later attempt of its process fails before any step, as after an
+import cut in half) | ``kill`` | ``stop`` | ``nonfinite`` (an inf written into an Adam moment of the
 rank's optimizer: the next checkpoint's check finds it) | ``term`` (SIGTERM to every active rank:
 a planned exit; once it has ended, rank 0 sends SIGTERM to the spares too and every rank waits
 3 s: the spares' deaths come after the run returned), on rank ``TIERSTACK_TEST_FAULT_RANK``
@@ -51,6 +53,7 @@ def main() -> int:
 
     manager_module.CheckpointManager.__init__ = capture
     objs_seen = []
+    damaged = []  # fault "damaged": this process raised, and every later attempt of it fails at once
     observe = manager_module.CheckpointManager.observe_step
 
     def capture_objs(self, objs, result):
@@ -76,7 +79,9 @@ def main() -> int:
             if not (out / "fault.json").exists():
                 (out / "fault.json").write_text(json.dumps({"fault": fault, "t": time.time(), "pid": os.getpid()}))
             print(f"FAULT {fault} on rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
-            if fault in ("raise", "raise_peer_blocked"):
+            if fault == "damaged":  # what an import cut in half leaves: this process fails every set-up
+                damaged.append(os.getpid())
+            if fault in ("raise", "raise_peer_blocked", "damaged"):
                 raise RuntimeError(f"injected failure on rank {rank} after step {ts.step}")
             if fault == "nonfinite":
                 from tierstack.checkpointing.state import torch_optimizers
@@ -92,6 +97,8 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
     def train(config):
+        if damaged:
+            raise AttributeError("partially initialized module 'fake' has no attribute 'core' (injected damage)")
         state = pretrain(config, on_step=on_step)
         if int(os.environ["RANK"]) == 0:
             print(f"FINAL step={state.step} resumed_from={state.resumed_from} pid={os.getpid()}", flush=True)

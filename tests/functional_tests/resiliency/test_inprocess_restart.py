@@ -121,6 +121,19 @@ def test_a_rank_blocked_in_c_after_the_abort_is_killed_and_replaced_not_waited_f
     assert fail_s < 60.0, fail_s  # not the 600 s block, nor distributed.timeout_s
 
 
+@pytest.mark.slow
+def test_a_process_that_fails_every_set_up_after_a_restart_is_replaced_by_the_spare(tmp_path, uninterrupted):
+    """Rank 1 raises after step 12, and every later attempt of its process fails before any step
+    with the same error (what an import cut in half by NVRx's interruption leaves): at the second
+    such failure the process leaves the job and the spare takes rank 1, instead of the job burning
+    ``resiliency.max_in_process_restarts`` on it. Rank 0 keeps its process; losses as uninterrupted."""
+    records, _ = _check(tmp_path, uninterrupted, "damaged", in_memory=(0,))
+    pids = [x["pid"] for x in records[1]]
+    assert pids[0] != pids[-1]  # the spare took rank 1
+    log = (tmp_path / "damaged" / "run" / "logs" / "rank1.log").read_text()
+    assert "attempt 2 failed before its first step as the one before it did (AttributeError" in log, log[-3000:]
+
+
 MEMORY_STEPS = ["checkpoint.memory_save_interval=1"]
 
 

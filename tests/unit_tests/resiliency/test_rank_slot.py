@@ -1,6 +1,7 @@
 """The rank slot (``resiliency/rank_slot.py``) in a real forked process: a rank that dies after the
 launcher's SIGTERM ends its slot at once (torchrun sends SIGTERM once and SIGKILLs 30 s later);
-a rank that dies on its own leaves the slot waiting for the job to finish."""
+a rank that dies on its own leaves the slot waiting for the job to finish, unless every rank
+process of the job is gone (then no one is left to finish it: the slot exits with an error)."""
 
 import os
 import signal
@@ -24,8 +25,10 @@ SLOT = textwrap.dedent("""
 """)
 
 
-def _slot():
-    proc = subprocess.Popen([sys.executable, "-c", SLOT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _slot(processes=2):
+    env = {**os.environ, "WORLD_SIZE": str(processes), "RANK": "0"}  # torchrun's: the job's processes, spares included
+    proc = subprocess.Popen([sys.executable, "-c", SLOT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     assert proc.stdout.readline().strip() == "RANK UP"
     return proc
 
@@ -48,3 +51,14 @@ def test_a_rank_that_dies_on_its_own_leaves_the_slot_waiting_for_the_job():
         proc.communicate(timeout=3)
     proc.kill()
     proc.communicate()
+
+
+def test_when_every_rank_process_of_the_job_is_gone_the_slot_exits_with_an_error():
+    """A job of 1 process whose rank died: nothing can finish it or say so, so the slot does not
+    wait for ever (the launcher then ends the job, or restarts it)."""
+    proc = _slot(processes=1)
+    child = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+    os.kill(child, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 1, out
+    assert "every one of the job's 1 rank processes is gone (spares included) and the job did not finish" in out, out
