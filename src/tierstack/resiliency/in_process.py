@@ -266,7 +266,9 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
                 job.set(STOPPED_KEY, signals.served_stop())
 
     attempt.__annotations__["call_wrapper"] = inprocess.CallWrapper  # NVRx passes itself by annotation
+    slot_rank = os.environ.get("RANK", "0")  # torchrun's (NVRx reassigns RANK per attempt)
     with inprocess.CallWrapper(wrapper) as call_wrapper:  # what ``wrapper(attempt)()`` does, with its watchdog at hand
+        job.set(rank_slot.started_key(slot_rank), "1")  # past NVRx's initial barrier: a death is NVRx's to handle
         liveness = Liveness(call_wrapper.progress_watchdog, PROGRESS_INTERVAL_S, vouch=lambda: not interrupted())
         try:
             call_wrapper(attempt, (), {})

@@ -76,13 +76,31 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
         log.warning("rank slot %s: its rank (pid %d) %s after the launcher's %s; the slot stops too",
                     os.environ.get("RANK", "?"), pid, how, signal.Signals(_forwarded[0]).name)
         return 128 + _forwarded[0]
-    log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it",
-                os.environ.get("RANK", "?"), pid, how)
+    rank = os.environ.get("RANK", "0")
+    if not _started(store, rank):  # NVRx's initial barrier waits for every rank: nothing would replace it
+        log.error("rank slot %s: its rank (pid %d) %s during the job's start (before NVRx's initial barrier, "
+                  "where no spare can take its place); the slot exits with an error, so that the launcher "
+                  "ends or restarts the job", rank, pid, how)
+        return 1
+    log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it", rank, pid, how)
     store.add(GONE_KEY, 1)
     return wait_for_job(store)
 
 
 _forwarded: list[int] = []  # the stop signals this slot passed to its rank
+
+
+def started_key(rank: str) -> str:
+    """Set by the rank of torchrun's rank ``rank`` once it is past NVRx's initial barrier (from then
+    on, NVRx's monitor process reports its death and a spare takes its place)."""
+    return f"job/started/{rank}"
+
+
+def _started(store: dist.Store, rank: str) -> bool:
+    try:
+        return store.check([started_key(rank)])
+    except Exception:  # noqa: BLE001 - the store's host is gone: the job is over anyway
+        return True
 
 
 def _forward(child: int, signum: int) -> None:
