@@ -100,8 +100,7 @@ def _probe(work: Path, local_root: Path, args) -> dict:
     r = _launch(run, soak_overrides(run, PROBE_ITERS, 10 * LOCAL_EVERY, args, local), local, args)
     steps = records(run / "steps_rank0.jsonl")
     if r["rc"] != 0 or len(steps) < 3:
-        tail = [x for x in (run / "launch.log").read_text(errors="replace").splitlines()
-                if "WARNING: Location" not in x][-40:]
+        tail = (run / "launch.log").read_text(errors="replace").splitlines()[-40:]
         raise SystemExit("\n".join([*tail, f"chaos: the probe launch failed (rc {r['rc']}, {len(steps)} steps "
                                     f"recorded); the last lines of {run / 'launch.log'} above"]))
     gaps = sorted(b["t"] - a["t"] for a, b in zip(steps[1:], steps[2:]))  # the first step compiles

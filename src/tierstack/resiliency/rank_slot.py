@@ -83,7 +83,6 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
                   "ends or restarts the job", rank, pid, how)
         return 1
     log.warning("rank slot %s: its rank (pid %d) %s; waiting for the job to finish without it", rank, pid, how)
-    store.add(GONE_KEY, 1)
     return wait_for_job(store)
 
 
@@ -112,12 +111,17 @@ def _forward(child: int, signum: int) -> None:
 
 
 def wait_for_job(store: dist.Store, parent: Optional[int] = None, processes: Optional[int] = None) -> int:
-    """Block until :data:`DONE_KEY` is set in ``store`` (returns 0), this process's parent (the
-    torchrun agent) is gone, or every one of the job's ``processes`` rank processes (default:
-    torchrun's ``WORLD_SIZE``, spares included) died (:data:`GONE_KEY`; returns 1, so that the
-    launcher ends the job or restarts it: no process is left to finish it, nor to say so)."""
+    """Count this slot's rank as gone (:data:`GONE_KEY`), then block until :data:`DONE_KEY` is set
+    in ``store`` (returns 0), this process's parent (the torchrun agent) is gone, or every one of
+    the job's ``processes`` rank processes (default: torchrun's ``WORLD_SIZE``, spares included)
+    is gone (returns 1, so that the launcher ends the job or restarts it: no process is left to
+    finish it, nor to say so). A store whose host is gone also returns 1."""
     parent = os.getppid() if parent is None else parent
     processes = int(os.environ.get("WORLD_SIZE", "1")) if processes is None else processes
+    try:
+        store.add(GONE_KEY, 1)
+    except Exception:  # noqa: BLE001 - the store's host is gone: the job is over, and not by us
+        return 1
     while True:
         try:
             store.wait([DONE_KEY], timedelta(seconds=_POLL_S))
