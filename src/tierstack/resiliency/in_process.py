@@ -383,16 +383,18 @@ class _Rehearse:
 
 
 class _Collect:
-    """NVRx finalize (main thread, before the restart): release what the abort left, collect."""
+    """NVRx finalize (main thread, before the restart): release what the abort left, collect, and
+    return the freed heap to the operating system."""
 
     def __new__(cls):
         from nvidia_resiliency_ext.inprocess.finalize import Finalize
 
         class Collect(Finalize):
             def __call__(self, state):
-                from tierstack.runtime import release_distributed
+                from tierstack.runtime.distributed import release_distributed, return_free_heap
 
                 release_distributed()
+                return_free_heap()
                 return state
 
         return Collect()

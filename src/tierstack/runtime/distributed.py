@@ -268,8 +268,8 @@ def destroy_distributed() -> None:
 
 def release_distributed() -> None:
     """Drop every process group of this process after a failure, from any thread, never raising:
-    megatron's parallel groups, then WORLD, then a garbage collection so that the groups nobody
-    refers to any more close their connections now.
+    megatron's parallel groups, then WORLD, then megatron-core's caches (:func:`clear_library_caches`),
+    then a garbage collection so that the groups nobody refers to any more close their connections now.
 
     Why: a gloo collective cannot be aborted; a rank blocked in one waits until its peers' sockets
     close. Destroying the groups here closes this rank's side, so the ranks still waiting on it
@@ -285,7 +285,39 @@ def release_distributed() -> None:
                 step()
         except Exception as e:  # noqa: BLE001 - already destroyed, or a peer gone: nothing to release
             log.debug("releasing process groups: %s: %s", type(e).__name__, e)
+    try:
+        clear_library_caches()
+    except Exception as e:  # noqa: BLE001 - a module changing under the walk: the next release clears it
+        log.debug("clearing megatron-core's caches: %s: %s", type(e).__name__, e)
     gc.collect()
+
+
+def clear_library_caches() -> int:
+    """Empty every non-empty ``functools.lru_cache`` of the loaded ``megatron.core`` modules (module
+    functions and methods of their classes); returns how many were emptied. Their values are
+    computed again on first use.
+
+    Why: a cache on a method keys on the instance, so it keeps that instance alive, and with it
+    what the instance refers to. megatron-core 0.19's ``RotaryEmbedding.forward`` (``maxsize=32``)
+    kept every attempt's rotary embedding of an in-process restart, and its context-parallel group:
+    one more gloo group per restart, never closed (a listening socket, an epoll loop and two
+    worker threads each, measured on CPU with ``/proc/<pid>/task``; on a GPU an NCCL communicator).
+    """
+    import functools
+    import sys
+
+    cleared = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "megatron.core" or name.startswith("megatron.core.")):
+            continue
+        for value in list(vars(module).values()):
+            owned_class = isinstance(value, type) and value.__module__ == name
+            for item in (list(vars(value).values()) if owned_class else [value]):
+                fn = getattr(item, "__func__", item)  # a staticmethod's or classmethod's function
+                if isinstance(fn, functools._lru_cache_wrapper) and fn.cache_info().currsize:
+                    fn.cache_clear()
+                    cleared += 1
+    return cleared
 
 
 def process_exiting() -> None:
@@ -297,3 +329,24 @@ def process_exiting() -> None:
     import gc
 
     gc.freeze()
+
+
+def return_free_heap() -> bool:
+    """Hand the C heap's free pages back to the operating system (glibc ``malloc_trim(0)``); False
+    where there is no glibc. After an in-process restart released an attempt's model, optimizer and
+    process groups, the freed memory stayed in the process: its resident size grew about 20 MB per
+    restart on CPU (664 to 927 MB over 12 restarts of gpt_tiny, 2 ranks); trimmed, 513 to 572 MB.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    trim(0)
+    return True
+
