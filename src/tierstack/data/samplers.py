@@ -175,7 +175,13 @@ def _loader(dataset: Dataset, sampler: PretrainingSampler, num_workers: int, pin
     Every ``iter()`` of a DataLoader draws a seed; with its own generator that draw never touches
     torch's default generator, so dropout after a resume sees the RNG state that was saved, even
     when an iterator is first used (or restarted) later in one run than in the other.
+
+    Worker processes are forked from the rank: each first closes its copies of the rank's network
+    sockets (:func:`~tierstack.runtime.forked.close_inherited_network_sockets`), so that a rank
+    that fails or dies closes its process groups' connections for its peers at once.
     """
+    from tierstack.runtime.forked import close_inherited_network_sockets
+
     _check_int("num_workers", num_workers, 0)
     return DataLoader(
         dataset,
@@ -184,6 +190,7 @@ def _loader(dataset: Dataset, sampler: PretrainingSampler, num_workers: int, pin
         pin_memory=pin_memory,
         persistent_workers=False,
         generator=torch.Generator().manual_seed(_LOADER_SEED),
+        worker_init_fn=close_inherited_network_sockets if num_workers else None,
     )
 
 

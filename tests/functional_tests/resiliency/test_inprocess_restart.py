@@ -94,6 +94,15 @@ def test_a_rank_that_raises_restarts_in_its_own_process(tmp_path, uninterrupted)
 
 
 @pytest.mark.slow
+def test_with_dataloader_workers_a_rank_that_raises_still_restarts_in_process(tmp_path, uninterrupted):
+    # Forked DataLoader workers held copies of the rank's gloo sockets: the rank that raised closed
+    # its groups, its peer's collective never saw the connection close and stayed blocked in C
+    # until NVRx's hard timeout killed it (the spare then took rank 0: a restart lost a process).
+    records, _ = _check(tmp_path, uninterrupted, "raise", in_memory=(0, 1), extra=("dataset.num_workers=2",))
+    assert len({x["pid"] for x in records[1]}) == 1
+
+
+@pytest.mark.slow
 def test_a_killed_rank_is_replaced_by_the_spare(tmp_path, uninterrupted):
     records, _ = _check(tmp_path, uninterrupted, "kill")
     pids = [x["pid"] for x in records[1]]
