@@ -338,13 +338,9 @@ def return_free_heap() -> bool:
     restart on CPU (664 to 927 MB over 12 restarts of gpt_tiny, 2 ranks); trimmed, 513 to 572 MB.
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
+    try:  # the process's own symbols (no ``find_library``: it runs ldconfig in a subprocess)
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return False
     trim(0)
