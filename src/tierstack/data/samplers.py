@@ -13,6 +13,8 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from tierstack.runtime.forked import close_inherited_network_sockets
+
 
 def _check_int(name: str, value, minimum: int) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is an int >= ``minimum``."""
@@ -180,7 +182,6 @@ def _loader(dataset: Dataset, sampler: PretrainingSampler, num_workers: int, pin
     sockets (:func:`~tierstack.runtime.forked.close_inherited_network_sockets`), so that a rank
     that fails or dies closes its process groups' connections for its peers at once.
     """
-    from tierstack.runtime.forked import close_inherited_network_sockets
 
     _check_int("num_workers", num_workers, 0)
     return DataLoader(
