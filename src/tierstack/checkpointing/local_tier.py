@@ -79,6 +79,7 @@ class LocalTier(LocalFiles, StagedTier):
         if self._node_dir is not None and parallel_layout.rank_on_node == 0:
             node_memory.warn_unless_tmpfs(cfg.memory_dir)
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once
+        self._extra: Optional[tuple] = None  # (model, optimizer, manifest fields), see _manifest_extra
         self._verified: dict[int, object] = {}  # step -> file bytes read by verify(), for load()
         self.sealed: list[int] = []  # steps sealed on every rank by this process
         self._run_id = ""  # the run of those steps
@@ -141,10 +142,7 @@ class LocalTier(LocalFiles, StagedTier):
             log.error("LOCAL checkpoint of step %d NOT saved: staging failed (%s)", step, e)
             self.failures.append(step)
             return None
-        extra = {"has_optimizer": self.cfg.save_optim, "has_rng": self.cfg.save_rng,
-                 "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
-                 **model_settings.model_settings(objs.model),
-                 **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
+        extra = self._manifest_extra(objs)
         if in_memory:  # its manifest stays in memory with it
             self._seal_in_memory(step, run_id, staged["sources"], manifest.build_manifest(
                 tier=self.tier.value, step=step, run_id=run_id, topology=self.layout.topology(),
@@ -158,6 +156,17 @@ class LocalTier(LocalFiles, StagedTier):
         if self.layout.rank == 0:
             log.info("LOCAL checkpoint of step %d handed to the writer (blocked %.2fs)", step, blocked)
         return blocked
+
+    def _manifest_extra(self, objs: TrainingObjects) -> dict:
+        """The manifest fields that depend on the model, optimizer and run config only: computed
+        once per model and optimizer (a memory step every iteration paid ~1 ms for them)."""
+        if self._extra is None or self._extra[0] is not objs.model or self._extra[1] is not objs.optimizer:
+            fields = {"has_optimizer": self.cfg.save_optim, "has_rng": self.cfg.save_rng,
+                      "distributed_optimizer": ckpt_state.uses_distributed_optimizer(objs.optimizer),
+                      **model_settings.model_settings(objs.model),
+                      **compat.manifest_fields(self.run_config)}  # tokenizer and config, compared before a resume
+            self._extra = (objs.model, objs.optimizer, fields)
+        return dict(self._extra[2])
 
     def _stage(self, objs: TrainingObjects) -> dict:
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict

