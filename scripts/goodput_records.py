@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 PARTS = ("detect", "process", "imports", "setup", "load")  # the split of fail->first step, in order
 
@@ -63,9 +64,10 @@ def analyse(run: Path, kills: list) -> dict:
     starts = records(run / "starts.jsonl")
     loads = [s for s in starts if "tier" in s and s["rank"] == 0]
     lost, recover, parts, tiers = [], [], [], []
-    for k in kills:
-        before = [s for s in steps if s["t"] < k["t"]]
-        after = [s for s in steps if s["t"] > k["t"]]
+    for i, k in enumerate(kills):
+        cut = restart_time(k["t"], kills[i + 1]["t"] if i + 1 < len(kills) else None, starts)
+        before = [s for s in steps if s["t"] < cut]
+        after = [s for s in steps if s["t"] > cut]
         if before and after:
             lost.append(before[-1]["step"] - (after[0]["step"] - 1))
             recover.append(after[0]["t"] - k["t"])
@@ -73,6 +75,18 @@ def analyse(run: Path, kills: list) -> dict:
             load = [s for s in loads if k["t"] < s["t"] <= after[0]["t"]]
             tiers.append(f"{load[0]['tier'].upper()} {load[0]['step']}" if load else "scratch")
     return {"lost": lost, "recover": recover, "parts": parts, "tiers": tiers}
+
+
+def restart_time(t_fail: float, t_next: Optional[float], starts: list) -> float:
+    """When rank 0's work after the failure at ``t_fail`` begins: its first new process or new
+    attempt after it (before the next failure at ``t_next``), else ``t_fail``. A step that rank 0
+    records between the failure and that start belongs to the attempt that failed (under in-process
+    restart a rank that raised after step N leaves its peers finishing step N a few milliseconds
+    later): it is work lost, not the restart's first step (counted as that, a run read 0 steps
+    lost and 0.05 s to the first step)."""
+    new = [s.get("t_process", s.get("t_attempt")) for s in starts if s.get("rank") == 0]
+    new = [t for t in new if t is not None and t > t_fail and (t_next is None or t < t_next)]
+    return min(new) if new else t_fail
 
 
 def split(t_fail: float, t_step: float, starts: list) -> dict:

@@ -47,3 +47,24 @@ def test_each_failure_gets_one_resume_entry_from_rank_0s_load_record(tmp_path):
     out = _bench().analyse(tmp_path, [{"t": 17.5}, {"t": 32.5}])
     assert out["tiers"] == ["LOCAL 5", "scratch"]
     assert out["lost"] == [2, 11]
+
+
+def test_a_step_the_failed_attempt_finishes_after_the_raise_is_work_lost_not_the_first_new_step(tmp_path):
+    """In-process restart: rank 1 raises after step 48, rank 0 records its own step 48 a few ms
+    later (same attempt), then both resume step 47 from memory in a new attempt. The failure lost
+    one step and its first new step is the redone 48 of the new attempt (read from the old
+    attempt's step 48, a run's table said 0 lost, 0.05 s, "scratch")."""
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    old = [{"t": 100.0 + 0.5 * s, "step": s, "pid": 7, "loss": 1.0} for s in range(1, 49)]  # step 48 at 124.0
+    new = [{"t": 126.0 + 0.5 * (s - 48), "step": s, "pid": 7, "loss": 1.0} for s in range(48, 60)]
+    write("steps_rank0.jsonl", old + new)
+    write("starts.jsonl", [{"rank": 0, "pid": 7, "t_attempt": 99.0}, {"rank": 1, "pid": 8, "t_attempt": 99.0},
+                           {"rank": 1, "pid": 8, "t_attempt": 124.4}, {"rank": 0, "pid": 7, "t_attempt": 124.5},
+                           {"rank": 0, "pid": 7, "t": 124.8, "tier": "local", "step": 47, "load_s": 0.2}])
+    out = _bench().analyse(tmp_path, [{"t": 123.98}])
+    assert out["lost"] == [1]
+    assert out["tiers"] == ["LOCAL 47"]
+    assert out["recover"] == [pytest.approx(126.0 - 123.98)]
+    assert out["parts"][0]["detect"] == pytest.approx(124.5 - 123.98)
