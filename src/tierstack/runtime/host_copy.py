@@ -129,8 +129,9 @@ def copy_to_host(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
     if len(dst) != len(src):
         raise ValueError(f"copy_to_host: {len(dst)} buffers for {len(src)} tensors")
     if not has_gpu():
-        with torch.no_grad():  # one call for all (per tensor, torch's and the CPU layer's dispatch cost 2-3 ms a save)
-            torch._foreach_copy_(list(dst), list(src))
+        if dst:  # (``_foreach_copy_`` refuses an empty list)
+            with torch.no_grad():  # one call for all (per tensor, torch's and the CPU layer's dispatch cost 2-3 ms a save)
+                torch._foreach_copy_(list(dst), list(src))
         return
     stream = _side_stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -60,3 +60,22 @@ def test_on_a_gpu_the_region_is_pinned_once_and_copies_are_exact():
     assert all(b.is_pinned() for b in bufs if b.numel())
     host_copy.copy_to_host(bufs, likes)
     assert all(torch.equal(b, t.cpu()) for b, t in zip(bufs, likes))
+
+
+def test_copy_to_host_copies_every_tensor_exactly_and_accepts_an_empty_state():
+    """The CPU path is one ``torch._foreach_copy_`` over the whole state: mixed dtypes, an empty
+    tensor, a transposed (non-contiguous) source and a parameter that requires grad each land bit
+    for bit in their buffer, and the buffers stay plain tensors; an empty state copies nothing
+    (``_foreach_copy_`` alone refuses an empty list)."""
+    from tierstack.runtime.host_copy import copy_to_host, empty_host_buffers
+
+    copy_to_host([], [])
+    src = [torch.randn(3, 5).t(), torch.nn.Parameter(torch.randn(7)), torch.empty(0),
+           torch.randn(4).bfloat16(), torch.tensor([2**40, -3]), torch.tensor(9.5)]
+    dst = empty_host_buffers(src)
+    copy_to_host(dst, src)
+    for d, s in zip(dst, src):
+        assert d.dtype == s.dtype and d.shape == s.shape and not d.requires_grad
+        assert torch.equal(d, s.detach())
+    src[1].data.add_(1.0)  # the buffers are copies: training may change the sources after the call
+    assert not torch.equal(dst[1], src[1].detach())
