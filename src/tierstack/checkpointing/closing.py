@@ -40,8 +40,8 @@ def close_alone(handlers: Iterable[CheckpointTierHandler], error: BaseException)
         log.warning("rank %d: interrupted by an in-process restart (%s once its process groups were released); its "
                     "checkpoints are closed without the other ranks", collectives.rank_label(), type(error).__name__)
     elif peer_lost(error):  # the rank's one console line says so (recipes.runner); the log file keeps this
-        log.warning("rank %d stops: another rank is gone; its checkpoints are closed without the other ranks",
-                    collectives.rank_label(), extra=FILE_ONLY)
+        log.warning("rank %d: another rank is gone; its checkpoints are closed without the other ranks (under "
+                    "in-process restart it then restarts in this process)", collectives.rank_label(), extra=FILE_ONLY)
     else:
         log.warning("rank %d stops on an error of its own (%s): its checkpoints are closed without the other ranks",
                     collectives.rank_label(), type(error).__name__)

@@ -385,8 +385,9 @@ class StagedTier:
         from tierstack.runtime import collectives
 
         if self._in_flight is not None:
-            log.warning("%s save of step %d abandoned on rank %d: this rank is stopping on an error of its own "
-                        "and publishing needs every rank", self._stager.name, self._in_flight.step, collectives.rank_label())
+            log.warning("%s save of step %d abandoned on rank %d: this rank closes its checkpoints without the other "
+                        "ranks (an error here or a lost peer), and publishing needs every rank", self._stager.name,
+                        self._in_flight.step, collectives.rank_label())
             self._in_flight = None
         try:
             self._stager.close(timeout_s=0)

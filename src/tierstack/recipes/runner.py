@@ -139,6 +139,9 @@ def _pretrain_here(config: ConfigContainer) -> int:
     if config.resiliency.in_process and under_torchrun():  # NVRx's wrapper restarts pretrain in this process
         from tierstack.resiliency import in_process
 
+        if rank == 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:  # (tierstack's own launcher sets it)
+            log.warning("in-process restart under your own launcher: set TORCH_CPP_LOG_LEVEL=ERROR in its environment, "
+                        "or c10d's store polls print 'waitForInput: socket ... timed out after 50ms' warnings all run long")
         return in_process.run(config, pretrain, rehearse=pretrain)
     try:
         pretrain(config)

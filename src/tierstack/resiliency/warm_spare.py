@@ -104,7 +104,8 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
             rehearsal.apply_overrides([
                 f"logger.run_dir={tmp}", "logger.tensorboard_dir=null", "logger.loss_curve=false",
                 "logger.progress_bar=false", "logger.rank_log_dir=null", f"checkpoint.save={tmp}/global",
-                "checkpoint.load=null", f"checkpoint.local_dir={tmp}/local", "checkpoint.pretrained_checkpoint=null",
+                "checkpoint.load=null", "checkpoint.ckpt_step=null", f"checkpoint.local_dir={tmp}/local",
+                "checkpoint.pretrained_checkpoint=null",
                 "checkpoint.replication_factor=1", "checkpoint.memory_save_interval=null",  # (in-process only)
                 "checkpoint.memory_dir=null",
                 "distributed.tensor_model_parallel_size=1", "distributed.pipeline_model_parallel_size=1",
@@ -121,10 +122,11 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
         from tierstack.runtime import release_distributed
 
         release_distributed()
-    if failed is not None:  # said once logging is on again (it was off for the rehearsal's own lines)
-        log.warning("spare warm-up failed (%s: %s); the spare starts cold", type(failed).__name__, failed)
     seconds = time.perf_counter() - t0
     # which process: node and local rank (RANK says nothing here: NVRx sets it to "None" in a spare)
-    log.info("spare (node %s, local rank %s, pid %d): warmed up in %.2f s", os.environ.get("GROUP_RANK", "0"),
-             saved.get("LOCAL_RANK", "?"), os.getpid(), seconds)
+    who = f"spare (node {os.environ.get('GROUP_RANK', '0')}, local rank {saved.get('LOCAL_RANK', '?')}, pid {os.getpid()})"
+    if failed is not None:  # said once logging is on again (it was off for the rehearsal's own lines)
+        log.warning("%s: warm-up failed after %.2f s (%s: %s); it starts cold", who, seconds, type(failed).__name__, failed)
+    else:
+        log.info("%s: warmed up in %.2f s", who, seconds)
     return seconds

@@ -34,9 +34,21 @@ def test_a_failed_rehearsal_is_logged(tmp_path, caplog):
     def train(cfg):
         raise RuntimeError("no data here")
 
-    with caplog.at_level(logging.WARNING, logger="tierstack.resiliency.warm_spare"):
+    with caplog.at_level(logging.INFO, logger="tierstack.resiliency.warm_spare"):
         warm_spare.warm_up(_in_process_config(tmp_path), train)
-    assert "spare warm-up failed (RuntimeError: no data here); the spare starts cold" in caplog.text
+    assert "warm-up failed after" in caplog.text and "(RuntimeError: no data here); it starts cold" in caplog.text
+    assert "warmed up in" not in caplog.text  # (a new user read both lines, one after the other)
+
+
+def test_the_rehearsal_never_asks_for_the_runs_checkpoint_step(tmp_path):
+    """``checkpoint.ckpt_step`` names a step of the run's checkpoints: the rehearsal, with its own
+    empty directories, must not look for it (a new user's bad step was refused once more by every
+    spare's rehearsal, which then said it started cold)."""
+    seen = []
+    config = _in_process_config(tmp_path, "checkpoint.ckpt_step=7")
+    warm_spare.warm_up(config, seen.append)
+    (rehearsal,) = seen
+    assert rehearsal.checkpoint.ckpt_step is None and config.checkpoint.ckpt_step == 7
 
 
 
