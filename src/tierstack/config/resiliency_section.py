@@ -112,5 +112,5 @@ class ResiliencyConfig(_Section):
             p.append("resiliency.spare_ranks=0 with a launcher that cannot replace a process "
                      f"({MAX_RESTARTS_ENV}={env.get(MAX_RESTARTS_ENV, '<unset>')}): a rank that dies would never "
                      "come back; set resiliency.spare_ranks >= 1 (and start that many more processes) or launch "
-                     "with torchrun --max-restarts >= 1")
+                     "with --max-restarts >= 1 (torchrun's, or tierstack's own launcher's)")
         return p

@@ -96,9 +96,14 @@ def run(
         # several ranks under torchrun: the directories are checked by every rank in setup, together
         # (a node-local directory can be fine on one node and not on another)
         # first: the spares decide which ranks train, and so the layout every other rule checks
-        _check_restart(config, world_size, (known.max_restarts or 0) if nproc is not None else None)
-        config.validate(_active_ranks(config, world_size), ranks_per_node=config.resiliency.active_ranks_per_node(
-            world_size), check_paths=nproc is not None or not under_torchrun() or world_size == 1)
+        restart = _check_restart(config, world_size, (known.max_restarts or 0) if nproc is not None else None)
+        try:
+            config.validate(_active_ranks(config, world_size), ranks_per_node=config.resiliency.active_ranks_per_node(
+                world_size), check_paths=nproc is not None or not under_torchrun() or world_size == 1)
+        except ConfigError as exc:  # every problem at once: the launch's rules with the config's
+            raise ConfigError(restart + exc.problems) from None
+        if restart:
+            raise ConfigError(restart)
     except ConfigError as exc:
         _report(str(exc))
         if nproc is None and under_torchrun():
@@ -183,7 +188,7 @@ def _active_ranks(config: ConfigContainer, processes: int) -> int:
     return max(1, processes - (config.resiliency.spare_ranks if config.resiliency.in_process else 0))
 
 
-def _check_restart(config: ConfigContainer, processes: int, max_restarts: Optional[int]) -> None:
+def _check_restart(config: ConfigContainer, processes: int, max_restarts: Optional[int]) -> list[str]:
     """In-process restart's rules of the launch (spares, the launcher's restarts; see
     :meth:`~tierstack.config.resiliency_section.ResiliencyConfig.launcher_problems`).
 
@@ -191,13 +196,18 @@ def _check_restart(config: ConfigContainer, processes: int, max_restarts: Option
         max_restarts: ``--max-restarts`` when this process launches the ranks; None in a rank
             (torchrun's environment says it).
 
+    Returns:
+        The problems to report with the config's own (the launcher cannot replace a process).
+
     Raises:
-        ConfigError: naming the field.
+        ConfigError: the spares leave the ranks that train unknown (reported alone: every other
+            rule of the layout depends on them), naming the field.
     """
     env = None if max_restarts is None else {"TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
-    problems = config.resiliency.launcher_problems(processes, env)
-    if problems:
-        raise ConfigError(problems)
+    layout = config.resiliency.spare_split_problems(processes, env)
+    if layout:
+        raise ConfigError(layout)
+    return config.resiliency.launcher_problems(processes, env)
 
 
 def _data_files_fit(config: ConfigContainer) -> bool:

@@ -86,3 +86,17 @@ def test_dry_run_validates_for_the_ranks_and_builds_nothing(tmp_path, capsys, ca
     assert cli.main(["pretrain", "gpt_tiny", "--dry-run", f"logger.run_dir={run_dir}"]) == 2  # TP=2 on 1 rank
     assert "world size 1 is not divisible" in caplog.text
     assert not run_dir.exists()
+
+
+def test_dry_run_reports_the_launchers_restart_rule_with_every_other_problem(tmp_path, caplog):
+    """A launch that cannot replace a dead process (in-process restart, no spare, no launcher
+    restart) is reported together with the config's own problems, not instead of them (a new
+    user fixed one and met the next); the hint names both launchers' ``--max-restarts``."""
+    assert cli.main(["pretrain", "gpt_tiny", "--dry-run", "--nproc-per-node", "2", "--restart", "in-process",
+                     "model.num_layers=3", "distributed.pipeline_model_parallel_size=2",
+                     "distributed.tensor_model_parallel_size=1", f"logger.run_dir={tmp_path / 'run'}"]) == 2
+    text = caplog.text
+    assert "resiliency.spare_ranks=0 with a launcher that cannot replace a process" in text
+    assert "tierstack's own launcher" in text
+    assert "resiliency.heartbeat_timeout_s" in text  # in-process restart needs it: reported alongside
+    assert "num_layers" in text  # 3 layers on 2 pipeline stages
