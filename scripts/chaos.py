@@ -198,4 +198,6 @@ def main(args, work: Path) -> int:
                "iterations": iterations, "faults": [{**vars(f), **r} for f, r in zip(faults, rows)],
                "checks": {k: list(v) for k, v in checks.items()}}
     (work / "chaos_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"work dir {work}: chaos_summary.json, the runs' logs and checkpoints (chaos/, chaos_reference/); "
+          "remove it when done", flush=True)
     return 0 if ok else 1
