@@ -208,9 +208,11 @@ def _record(node_dir: Optional[Path], got: tuple, *, step: int, run_id: str, ran
     try:
         node_memory.write_record(node_dir, step=step, run_id=run_id, rank=rank, root=root, topology=topology,
                                  manifest=manifest, header=header, buffers=buffers, file=file)
-    except OSError as e:
-        log.warning("rank %d: memory step %d is held in this process only: its node-memory record in %s "
-                    "could not be written (%s)", rank, step, node_dir, e)
+    except OSError as e:  # said once per process and directory (a full tmpfs fails every step alike)
+        if ("record", str(node_dir)) not in _warned:
+            _warned.add(("record", str(node_dir)))
+            log.warning("rank %d: memory step %d is held in this process only: its node-memory record in %s "
+                        "could not be written (%s); said once, the later steps alike", rank, step, node_dir, e)
         return None
     return str(node_dir)
 

@@ -212,6 +212,9 @@ def read_record(directory: Path) -> Optional[tuple[dict, bytes]]:
     except OSError as e:
         raise RecordError(f"unreadable ({e})") from e
     start = len(MAGIC) + 8
+    if data.startswith(MAGIC[:6]) and not data.startswith(MAGIC):
+        raise RecordError(f"a node-memory record of another format ({data[:7].decode(errors='replace')}; this "
+                          f"version reads {MAGIC[:7].decode()}), left by another tierstack version")
     if not data.startswith(MAGIC) or len(data) < start:
         raise RecordError("not a tierstack node-memory record")
     n = int.from_bytes(data[len(MAGIC):start], "little")

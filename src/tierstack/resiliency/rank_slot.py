@@ -34,6 +34,7 @@ DONE_KEY = "job/done"
 GONE_KEY = "job/gone"  # how many rank processes of the job died or were discarded (their slots wait)
 DISCARDED = 75  # a rank's exit status meaning "taken out of the job, which goes on": its slot waits
 _POLL_S = 0.2  # how often an orphaned slot looks for the end of the job (and for its agent)
+_AGENT_POLL_S = 0.1  # how often a slot whose rank lives looks for the rank's end and for its agent
 
 
 def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
@@ -50,6 +51,7 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    agent = os.getppid()  # the launcher's process (torchrun's agent)
     pid = os.fork()
     if pid == 0:  # the rank
         code = 1
@@ -68,7 +70,9 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
     # the slot: forward torchrun's stop signals to the rank, then wait for it
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda s, _f, child=pid: _forward(child, s))
-    _, status = os.waitpid(pid, 0)
+    status = _wait_for_rank(pid, agent)
+    if status is None:
+        return 1
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) != DISCARDED:
         return os.WEXITSTATUS(status)
     how = "was discarded" if os.WIFEXITED(status) else f"died by {signal.Signals(os.WTERMSIG(status)).name}"
@@ -87,6 +91,30 @@ def run_in_slot(rank_main: Callable[[], int], store: dist.Store) -> int:
 
 
 _forwarded: list[int] = []  # the stop signals this slot passed to its rank
+
+
+def _wait_for_rank(pid: int, agent: int) -> Optional[int]:
+    """The rank's wait status once it ended; None when the launcher (``agent``, this slot's parent)
+    died first: the rank is then SIGKILLed. Why: the slots and ranks run in sessions of their own, so
+    a SIGKILLed launcher (``kill -9``, ``timeout -s KILL``) left them training on alone, writing into
+    the run's directories while a relaunch started there, and then blocked at the end on the store
+    it hosted (a break-it pass). Polled every :data:`_AGENT_POLL_S` seconds (a blocking ``waitpid``
+    cannot also watch the parent)."""
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            return status
+        if os.getppid() != agent:
+            log.error("rank slot %s: the launcher (pid %d) is gone, so nothing can stop, restart or finish this "
+                      "job: its rank (pid %d) is killed; what it saved stays for a relaunch", os.environ.get("RANK", "?"),
+                      agent, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(_AGENT_POLL_S)
 
 
 def started_key(rank: str) -> str:

@@ -173,6 +173,31 @@ def test_a_full_memory_dir_keeps_memory_steps_in_the_process_with_a_warning(tmp_
     assert "checkpoint.memory_dir no room" in caplog.text
 
 
+def test_a_record_that_cannot_be_written_is_warned_about_once(tmp_path, memory, shm, monkeypatch, caplog):
+    """A tmpfs that fills up after the sets were allocated: every later record fails alike (ENOSPC).
+    Each memory step stays held in the process, no record names a set, and the warning comes once
+    per process, not at every step (a break-it pass counted 7 in 22 steps)."""
+    import errno
+
+    from tierstack.checkpointing import paths
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(local_memory, "_warned", set())
+    node_dir = node_memory.rank_dir(str(shm), tmp_path, 0)
+    stager = local_memory.stager_for(Stager("LOCAL"), node_dir)
+    _memory_step(stager, 10, tmp_path)
+    assert (node_dir / "held").exists()
+    monkeypatch.setattr(paths, "atomic_write_bytes", full)
+    with caplog.at_level("WARNING"):
+        for step in (11, 12, 13):
+            _memory_step(stager, step, tmp_path)
+            assert local_memory.held().step == step and local_memory.held().record_dir is None
+    assert not (node_dir / "held").exists()  # the old one named a set that is refilled now
+    assert caplog.text.count("could not be written") == 1, caplog.text
+
+
 @pytest.mark.parametrize("damage", ["flip", "header", "layout", "step", "path", "foreign_dir", "old_format"])
 def test_a_damaged_or_foreign_record_is_never_adopted(tmp_path, memory, shm, damage, caplog):
     """Bytes flipped in the set (same size), a damaged header, a record without its layout or with
@@ -214,6 +239,8 @@ def test_a_damaged_or_foreign_record_is_never_adopted(tmp_path, memory, shm, dam
     with caplog.at_level("WARNING"):
         assert local_memory.memory_candidate("r", 0, tmp_path, TOPOLOGY, tmp_path, node_dir) is None
     assert "not adopted" in caplog.text or "not used" in caplog.text, caplog.text
+    if damage == "old_format":
+        assert "of another format (TSHELD1; this version reads TSHELD2)" in caplog.text, caplog.text
     assert local_memory.held() is None
     if damage == "path":
         assert (tmp_path / "victim.bin").exists()  # never mapped, never removed

@@ -80,3 +80,47 @@ def test_a_rank_that_dies_before_nvrxs_initial_barrier_ends_its_slot_with_an_err
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 1, out
     assert "during the job's start (before NVRx's initial barrier, where no spare can take its place)" in out, out
+
+
+AGENT = textwrap.dedent("""
+    import subprocess, sys, time
+    slot = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)  # as torchrun does
+    print(slot.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_launcher_killed_with_sigkill_takes_the_ranks_with_it():
+    """The slots run in sessions of their own: a launcher killed with SIGKILL (``kill -9``,
+    ``timeout -s KILL``) used to leave them and their ranks training on alone, writing into the
+    run's directories while a relaunch began there, then blocked at the end on the store it
+    hosted (a break-it pass). Now the slot sees its parent gone, kills its rank and exits."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "STARTED": "1"}
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, SLOT], stdout=subprocess.PIPE, text=True, env=env)
+    slot = int(agent.stdout.readline())
+    rank = None
+    for _ in range(300):  # the slot imports torch, then forks its rank
+        kids = subprocess.run(["pgrep", "-P", str(slot)], capture_output=True, text=True).stdout.split()
+        if kids:
+            rank = int(kids[0])
+            break
+        time.sleep(0.1)
+    assert rank is not None, "the slot never forked its rank"
+    time.sleep(1.0)
+    agent.kill()
+    agent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_alive(rank) or _alive(slot)):
+        time.sleep(0.1)
+    alive = [p for p in (rank, slot) if _alive(p)]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"still running 10 s after the launcher was killed: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
