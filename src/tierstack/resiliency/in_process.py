@@ -278,8 +278,8 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             return rank_slot.DISCARDED
         except RestartLimitReached as e:  # the job ends: one line, not a traceback; the launcher's restart follows
             log.error("rank %s stops: %s", os.environ.get("RANK"), e)
-            if isinstance(e, AgreedStop) or not restarts.launcher_restarts_left():  # nothing resumes it: node memory given back
-                local_memory.release()
+            if e.exit_status != 2 and (isinstance(e, AgreedStop) or not restarts.launcher_restarts_left()):
+                local_memory.release()  # nothing resumes it: node memory given back (bad input kept: a fixed relaunch adopts it)
             return e.exit_status
         finally:
             liveness.close()
