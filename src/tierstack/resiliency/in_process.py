@@ -146,30 +146,17 @@ def _job_store(processes: int, timeout_s: float) -> tuple[dist.Store, str]:
     return raw, f"{_ROOT}/{token}/"
 
 
-def _store_class():
-    """NVRx's store over the job's store, under this start's prefix (a class: NVRx builds one in
-    the rank and one in its monitor process from ``store_kwargs``)."""
-    from nvidia_resiliency_ext.inprocess.store import StoreMixin
-
-    class JobStore(dist.PrefixStore, StoreMixin):
-        def __init__(self, prefix: str, timeout_s: float):
-            tcp = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                                is_master=False, timeout=timedelta(seconds=timeout_s))
-            super().__init__(prefix + "nvrx/", tcp)
-            self.tcp = tcp
-
-    return JobStore
-
-
 def wrapper_arguments(config: ConfigContainer, job_prefix: str) -> dict:
     """Keyword arguments of ``inprocess.Wrapper`` for ``config`` (timeouts from
     ``resiliency.heartbeat_timeout_s``; intervals tuned for a restart in about a second)."""
+    from tierstack.resiliency.nvrx_store import JobStore  # NVRx imported only by runs that use it
+
     r = config.resiliency
     soft = float(r.heartbeat_timeout_s)
     hard = soft + max(0.5, soft / 2)
     barrier = hard + max(30.0, config.distributed.timeout_s)
     return dict(
-        store_factory=_store_class(),
+        store_factory=JobStore,  # a class: NVRx builds one in the rank and one in its monitor process
         store_kwargs={"prefix": job_prefix, "timeout_s": barrier},
         abort=_ReleaseGroups(),
         finalize=_Collect(),

@@ -68,9 +68,15 @@ def main() -> int:
             f.write(json.dumps({"step": ts.step, "loss": float(result.loss).hex(), "pid": os.getpid(),
                                 "t": time.time(), "node": int(os.environ.get("GROUP_RANK", "0"))}) + "\n")
         marker = out / ("fault.fired" if ts.step == fault_at[0] else f"fault.fired.{ts.step}")
-        if fault and ts.step in fault_at and not marker.exists():
+        fault_rank = fault_ranks[min(fault_at.index(ts.step), len(fault_ranks) - 1)] if ts.step in fault_at else -1
+        # each rank decides on its own marker: the faulting rank may have run ahead and written its
+        # own already (CheckpointManager.wait is collective only while a save is in flight), and a
+        # peer that then skipped its part (CI under load: no block, no kill) changed the scenario
+        mine = marker if rank == fault_rank else marker.with_name(f"{marker.name}.peer{rank}")
+        if fault and ts.step in fault_at and not mine.exists():
             managers[-1].wait()  # collective: the LOCAL save in flight is sealed on every rank
-            if rank != fault_ranks[min(fault_at.index(ts.step), len(fault_ranks) - 1)]:
+            if rank != fault_rank:
+                os.close(os.open(mine, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                 if fault == "raise_peer_blocked":  # blocked in C: NVRx's interruption cannot end it
                     print(f"BLOCKED rank {rank} (pid {os.getpid()}) after step {ts.step}", flush=True)
                     time.sleep(600)
