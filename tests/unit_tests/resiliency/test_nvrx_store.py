@@ -2,7 +2,6 @@
 finds unresponsive must not poison the termination barrier that every rank's wrapper enters at the
 end of the run (a finished CI run ended with exit status 1 on ``int("b'1'")``)."""
 
-import socket
 from datetime import timedelta
 
 import pytest
@@ -13,21 +12,13 @@ from nvidia_resiliency_ext.inprocess.store import PrefixStore, StoreMixin
 from tierstack.resiliency.nvrx_store import JobStore
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def master(monkeypatch):
-    """A real TCP store server, as the job's (rank 0's slot hosts it)."""
-    port = _free_port()
+    """A real TCP store server, as the job's (rank 0's slot hosts it), on a port it picks."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    yield server
-    del server
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    return server
 
 
 def _unresponsive_rank_1_then_rank_0_ends(base) -> None:
