@@ -77,8 +77,18 @@ class AgreedStop(RestartLimitReached):
     def __init__(self, error: BaseException):
         from tierstack.errors import BadInputError
 
-        super().__init__(f"{type(error).__name__}: {error} (raised on every rank: not restarted in-process)")
+        super().__init__(f"{summary(error)} (raised on every rank: not restarted in-process)")
         self.exit_status = 2 if isinstance(error, BadInputError) else 1
+
+
+def summary(error: BaseException) -> str:
+    """``"<type>: <message>"`` of an error that ends the job, or only ``"<type> (bad input, said above
+    by rank 0)"`` when rank 0 already printed its message (:func:`~tierstack.errors.say_once`): the
+    lines each rank, NVRx and a woken spare print about the stop then do not repeat a refusal of
+    many lines (a changed model's list of fields) five times after it."""
+    if getattr(error, "said", False):
+        return f"{type(error).__name__} (bad input, said above by rank 0)"
+    return f"{type(error).__name__}: {error}"
 
 
 def check(config: ConfigContainer, processes: int, environ: Optional[dict] = None) -> None:
@@ -236,7 +246,7 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             from tierstack.errors import raised_on_every_rank
 
             if raised_on_every_rank(e):
-                job.set(AGREED_STOP_KEY, f"{type(e).__name__}: {str(e)[:200]}")
+                job.set(AGREED_STOP_KEY, summary(e)[:300])
                 raise AgreedStop(e) from e
             if _failures.is_repeated(e, _watch._wrapper is not None, interrupted()):  # damaged: a fresh process
                 log.error("rank %s: attempt %d failed before its first step as the one before it did (%s: %s): "

@@ -97,7 +97,7 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
 
     t0, failed = time.perf_counter(), None
     saved = {k: os.environ.pop(k) for k in _WARM_ENV if k in os.environ}
-    _logging.disable(_logging.WARNING)  # a rehearsal: its own lines (a step, a save) are not the run's
+    _logging.disable(_logging.ERROR)  # a rehearsal: its own lines (a step, a save, a refusal) are not the run's
     try:
         with tempfile.TemporaryDirectory(prefix="tierstack-warm-") as tmp:
             rehearsal = copy.deepcopy(config)
@@ -105,7 +105,7 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
                 f"logger.run_dir={tmp}", "logger.tensorboard_dir=null", "logger.loss_curve=false",
                 "logger.progress_bar=false", "logger.rank_log_dir=null", f"checkpoint.save={tmp}/global",
                 "checkpoint.load=null", "checkpoint.ckpt_step=null", f"checkpoint.local_dir={tmp}/local",
-                "checkpoint.pretrained_checkpoint=null",
+                "checkpoint.pretrained_checkpoint=null", "checkpoint.exit_on_missing_checkpoint=false",  # (resumes nothing)
                 "checkpoint.replication_factor=1", "checkpoint.memory_save_interval=null",  # (in-process only)
                 "checkpoint.memory_dir=null",
                 "distributed.tensor_model_parallel_size=1", "distributed.pipeline_model_parallel_size=1",
@@ -125,7 +125,12 @@ def warm_up(config: ConfigContainer, train: Callable[[ConfigContainer], Any]) ->
     seconds = time.perf_counter() - t0
     # which process: node and local rank (RANK says nothing here: NVRx sets it to "None" in a spare)
     who = f"spare (node {os.environ.get('GROUP_RANK', '0')}, local rank {saved.get('LOCAL_RANK', '?')}, pid {os.getpid()})"
-    if failed is not None:  # said once logging is on again (it was off for the rehearsal's own lines)
+    from tierstack.errors import BadInputError
+
+    if isinstance(failed, BadInputError):  # the ranks refuse the same input, and rank 0 says why
+        log.warning("%s: warm-up refused its input after %.2f s (%s; the ranks report it); it starts cold", who,
+                    seconds, type(failed).__name__)
+    elif failed is not None:  # said once logging is on again (it was off for the rehearsal's own lines)
         log.warning("%s: warm-up failed after %.2f s (%s: %s); it starts cold", who, seconds, type(failed).__name__, failed)
     else:
         log.info("%s: warmed up in %.2f s", who, seconds)

@@ -15,6 +15,8 @@ step after the restart; under ``-s``), the number the README reports.
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import pytest
 from launcher import run_nodes, run_torchrun
 
 WORKER = Path(__file__).with_name("inprocess_worker.py")
+REPO = Path(__file__).resolve().parents[3]
 ACTIVE = 2  # ranks that train; a launch starts ACTIVE + resiliency.spare_ranks processes
 
 
@@ -302,3 +305,37 @@ def test_on_two_nodes_a_killed_rank_is_replaced_by_a_spare_of_its_own_node(tmp_p
     assert pids[0] != pids[-1]  # node 1's spare took rank 1
     assert "rank 1: adopted memory step 11 from node memory" in (run / "logs" / "rank1.log").read_text(), log[-6000:]
     assert "FINAL step=30 resumed_from=[11]" in log, log[-6000:]
+
+
+
+@pytest.mark.slow
+def test_a_relaunch_with_a_changed_model_is_refused_once_and_not_restarted(tmp_path):
+    """Bad input under in-process restart (the model changed between two launches of one run,
+    ``tierstack pretrain gpt_tiny --nproc-per-node 3 --restart in-process``): exit status 2 at once,
+    no in-process restart, and the refusal (its list of fields) printed once, by rank 0. Before,
+    the same text came five more times (each rank's stop line, NVRx's exit line of each rank, the
+    woken spare's line), and a spare's rehearsal printed a refusal of its own
+    (``checkpoint.exit_on_missing_checkpoint`` in its empty rehearsal directory)."""
+    run = tmp_path / "run"
+    common = ["--nproc-per-node", "3", "--restart", "in-process", "resiliency.heartbeat_timeout_s=3",
+              "resiliency.spare_ranks=1", "dataset.mock=true", "mlflow=null", "straggler=null", "train.eval_interval=null",
+              f"logger.run_dir={run}", f"checkpoint.save={run}/global", f"checkpoint.local_dir={run}/local",
+              "checkpoint.save_interval=null", "checkpoint.local_save_interval=5"]
+
+    def launch(*args):
+        proc = subprocess.run([sys.executable, "-m", "tierstack.cli", "pretrain", "gpt_tiny", *common, *args],
+                              capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+        return proc, proc.stdout + proc.stderr
+
+    first, log = launch("train.train_iters=5")
+    assert first.returncode == 0, log[-6000:]
+    second, log = launch("train.train_iters=10", "model.num_layers=3", "checkpoint.exit_on_missing_checkpoint=true")
+    assert second.returncode == 2, log[-6000:]
+    assert log.count("model.num_layers: 4 in the checkpoint, 3 now") == 1, log[-6000:]
+    assert "rank 0 stops: CheckpointMismatchError (bad input, said above by rank 0)" in log, log[-6000:]
+    assert "in-process restart 1" not in log, log[-6000:]
+    # the spare's rehearsal resumes nothing: it is never refused for that (it may still be cut short
+    # by the job's stop, which only means a cold spare)
+    assert "no checkpoint was found" not in log, log[-6000:]
+    assert "tierstack.progress: iter " not in log, log[-6000:]  # no step trained
