@@ -238,7 +238,8 @@ def _rank_main(config: ConfigContainer, train: Callable, job_prefix: str, timeou
             signals.hold_stop(signals.unserved_stop())
         os.environ["LOCAL_WORLD_SIZE"] = str(active_per_node)  # the ranks that train on a node (the layout's)
         _timeline["attempt_start"] = time.time()
-        attempt_store.use_attempt_store(dist.PrefixStore(f"pg/{n}/", job))  # keys of this attempt only
+        attempt_store.use_attempt_store(attempt_store.InterruptibleStore(  # keys of this attempt only; waits
+            dist.PrefixStore(f"pg/{n}/", job), config.distributed.timeout_s))  # that an interruption ends
         _watch.begin(call_wrapper)
         try:
             return train(config)

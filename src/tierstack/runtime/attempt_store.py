@@ -79,6 +79,71 @@ def meet(store: dist.Store, world_size: int, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
+class InterruptibleStore(dist.Store):
+    """A store whose waits for keys run in Python: what an in-process attempt builds its process
+    groups on (:func:`use_attempt_store`).
+
+    Why: gloo's rendezvous, while a group is built (``init_process_group``, every ``new_group`` of
+    megatron-core's), waits in the store for each peer's address. On a C++ store that wait is in
+    C for up to the store's timeout, where NVRx's interruption (an exception raised into the main
+    thread) cannot reach it: a rank whose peer died after the ranks met (:func:`meet`) but before
+    its groups were built was killed by NVRx's hard timeout and replaced, losing its process (a
+    second fault while the first was being recovered, seen by a break-it pass). Here every wait
+    is a loop of ``check`` calls with short sleeps (0.5 ms at first, then up to 10 ms), so the
+    interruption ends it and propagates out of the group's construction as itself (torch calls
+    this class from C++ through its Python store bridge). Measured: a ``new_group`` whose peer never
+    came raised the interruption 1.01 s after it began, 1 s after the start of the group's build;
+    on the C++ store it was still blocked 40 s later.
+
+    Args:
+        inner: the store it reads and writes (a prefix of the job's store).
+        timeout_s: seconds a wait may take before :class:`torch.distributed.DistStoreError`
+            (``distributed.timeout_s``; a shorter timeout passed to a wait wins).
+    """
+
+    def __init__(self, inner: dist.Store, timeout_s: float):
+        super().__init__()
+        self.inner = inner
+        self.timeout_s = float(timeout_s)
+
+    def _wait(self, keys: list, timeout=None) -> None:
+        limit = self.timeout_s if timeout is None else min(self.timeout_s, timeout.total_seconds() or self.timeout_s)
+        deadline, pause = time.monotonic() + limit, 0.0005
+        while not self.inner.check(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"keys {keys} not set within {limit:g} s (distributed.timeout_s)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def get(self, key):
+        self._wait([key])
+        return self.inner.get(key)
+
+    def wait(self, keys, timeout=None):
+        self._wait(list(keys), timeout)
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        self.timeout_s = timeout.total_seconds()
+
+
 class StartHandshakeError(RuntimeError):
     """The ranks of this start did not all meet in the store within the timeout."""
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tierstack.runtime import attempt_store, cpu_compat, known_warnings
+from tierstack.runtime import attempt_store, cpu_compat, group_sockets, known_warnings
 from tierstack.runtime.devices import default_backend, device, has_gpu  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ def initialize_distributed(
     if has_gpu():
         check_device_ordinal(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
+    group_sockets.install()  # an abort can then close this process's groups' connections (release_distributed)
     if not dist.is_initialized():
         # Under torchrun's shared store, the keys of this start only (restarts: see attempt_store).
         store = dist.HashStore() if single else attempt_store.attempt_store(rank, world_size, timeout_s)
@@ -268,16 +269,24 @@ def destroy_distributed() -> None:
 
 def release_distributed() -> None:
     """Drop every process group of this process after a failure, from any thread, never raising:
-    megatron's parallel groups, then WORLD, then megatron-core's caches (:func:`clear_library_caches`),
-    then a garbage collection so that the groups nobody refers to any more close their connections now.
+    first shut down the connections of every group built here (:func:`group_sockets.shut_down
+    <tierstack.runtime.group_sockets.shut_down>`), then megatron's parallel groups, then WORLD, then
+    megatron-core's caches (:func:`clear_library_caches`), then a garbage collection so that the
+    groups nobody refers to any more are freed now.
 
-    Why: a gloo collective cannot be aborted; a rank blocked in one waits until its peers' sockets
-    close. Destroying the groups here closes this rank's side, so the ranks still waiting on it
-    fail at once instead of at ``distributed.timeout_s`` (the in-process restart's abort).
+    Why: a gloo collective cannot be aborted; a rank blocked in one waits until its peers'
+    connections close. Shutting them down here releases the ranks still waiting on this one at
+    once, instead of at ``distributed.timeout_s`` or when NVRx's hard timeout kills them (the
+    in-process restart's abort), even while this rank's model or frames still refer to the groups.
     """
     import gc
 
     from megatron.core import parallel_state
+
+    try:
+        group_sockets.shut_down()
+    except Exception as e:  # noqa: BLE001 - never raises by design; a release must go on whatever happens
+        log.debug("shutting down the groups' connections: %s: %s", type(e).__name__, e)
 
     for step in (parallel_state.destroy_model_parallel, dist.destroy_process_group):
         try:
@@ -285,6 +294,13 @@ def release_distributed() -> None:
                 step()
         except Exception as e:  # noqa: BLE001 - already destroyed, or a peer gone: nothing to release
             log.debug("releasing process groups: %s: %s", type(e).__name__, e)
+    if not dist.is_initialized():
+        # An init_process_group cut short (an interruption in its rendezvous, which the attempt's
+        # store lets through: attempt_store.InterruptibleStore) counted its group but registered no
+        # WORLD, so destroy_process_group, which resets the count, never ran: the next WORLD of
+        # this process would be named "1" and wait for keys its peers write under "0" (a hang
+        # until distributed.timeout_s, seen after a second fault during a restart's set-up).
+        dist.distributed_c10d._world.group_count = 0
     try:
         clear_library_caches()
     except Exception as e:  # noqa: BLE001 - a module changing under the walk: the next release clears it
