@@ -76,6 +76,8 @@ class LocalTier(LocalFiles, StagedTier):
         self._node_dir = (node_memory.rank_dir(cfg.memory_dir, self.root, parallel_layout.rank)
                           if cfg.memory_dir and self.root is not None else None)  # memory steps in node memory
         self._stager = local_memory.stager_for(self._stager, self._node_dir)  # more sets under in-process restart
+        if self._node_dir is not None and local_memory.enabled():
+            node_memory.use_dir(self._node_dir)  # swept at the run's end, whatever this process put there
         if self._node_dir is not None and parallel_layout.rank_on_node == 0:
             node_memory.warn_unless_tmpfs(cfg.memory_dir)
         self._distribution = None  # NVRx/megatron fully-parallel shard distribution, computed once

@@ -125,8 +125,8 @@ class Stager:
         thread, free the buffers. A writer still running after ``timeout_s`` (a hung file system,
         after a failed finalize) is left behind as :meth:`abandon` does, and logged. Idempotent."""
         if self._job is not None and not wait_futures([self._job], timeout=timeout_s).done:
-            log.warning("%s writer still running after %.0f s at close (a hung file system?); left behind",
-                        self.name, timeout_s)
+            log.warning("%s writer still running %s; left behind", self.name, f"after {timeout_s:.0f} s at close (a "
+                        "hung file system?)" if timeout_s else "at a failure's close (its save abandoned unpublished)")
             self.abandon()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

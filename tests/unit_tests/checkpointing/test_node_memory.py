@@ -105,6 +105,27 @@ def test_release_removes_every_file_of_the_process_and_what_dead_ones_left(tmp_p
     assert not node_dir.exists() and not node_dir.parent.exists()  # files gone, then the empty directories
 
 
+def test_release_sweeps_a_ranks_directory_this_process_never_allocated_in(tmp_path, memory, shm):
+    """A process that took a rank at the run's last step (a spare after a kill at the end: nothing
+    to do, nothing staged or adopted) still removes what the dead process left (found by a break-it
+    pass: a 19 MB set in /dev/shm after a run that ended with exit status 0)."""
+    from tierstack.checkpointing.local_tier import LocalTier
+    from tierstack.runtime.distributed import ParallelLayout
+
+    node_dir = node_memory.rank_dir(str(shm), tmp_path / "local", 0)
+    node_dir.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (node_dir / f"set-{int(dead.stdout)}-1.bin").write_bytes(b"x" * 4096)  # the dead process's, no record
+    cfg = CheckpointConfig(local_dir=str(tmp_path / "local"), local_save_interval=5, memory_save_interval=1,
+                           memory_dir=str(shm))
+    layout = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
+                            pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,
+                            pipeline_model_parallel_rank=0, data_parallel_rank=0)
+    LocalTier(cfg, layout)  # this process's tier of rank 0: it stages nothing
+    local_memory.release()  # the run's end
+    assert not node_dir.exists() and not node_dir.parent.exists()
+
+
 def test_a_malformed_record_does_not_stop_allocation_or_release(tmp_path, memory, shm):
     """A record that does not parse names no set: the sweep of an allocation and the release at the
     end of the run go on (the first raised the parser's RecordError, found reading the change again)."""
