@@ -1,6 +1,7 @@
 """Fixtures shared by the unit tests."""
 
 import multiprocessing as mp
+import socket
 
 import pytest
 
@@ -21,3 +22,12 @@ def start_ranks():
         return procs, out
 
     return start
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (for a store server a spawned rank hosts;
+    another process could still take it before that rank binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

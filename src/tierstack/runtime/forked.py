@@ -13,11 +13,9 @@ after step 1 left its peer blocked in the step's ``all_reduce`` until NVRx's har
 
 from __future__ import annotations
 
-import os
 import socket
-import stat
 
-_NETWORK = (socket.AF_INET, socket.AF_INET6)
+from tierstack.runtime.group_sockets import NETWORK, open_sockets
 
 
 def close_inherited_network_sockets(_worker_id: int = 0) -> int:
@@ -28,19 +26,13 @@ def close_inherited_network_sockets(_worker_id: int = 0) -> int:
     Meant to run first in a process forked from a rank (``DataLoader(worker_init_fn=...)``: the
     ``_worker_id`` argument is the DataLoader's), before it opens sockets of its own.
     """
-    try:
-        fds = [int(n) for n in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc (not Linux): nothing to walk cheaply
-        return 0
     closed = 0
-    for fd in fds:
+    for fd, _ in open_sockets():
         try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                continue
             sock = socket.socket(fileno=fd)
-        except OSError:  # the listing's own descriptor, already closed
+        except OSError:  # closed meanwhile
             continue
-        if sock.family in _NETWORK:
+        if sock.family in NETWORK:
             sock.close()
             closed += 1
         else:

@@ -32,14 +32,15 @@ import stat
 import threading
 from typing import Callable
 
-_NETWORK = (socket.AF_INET, socket.AF_INET6)
+NETWORK = (socket.AF_INET, socket.AF_INET6)  # the families of a TCP/UDP socket
 _lock = threading.Lock()
 _owned: dict[int, int] = {}  # descriptor -> socket inode, of the sockets opened while a group was built
 _original: "Callable | None" = None  # torch's _new_process_group_helper, once wrapped
 
 
-def _network_sockets() -> set[tuple[int, int]]:
-    """``(descriptor, inode)`` of this process's sockets (every family; filtered when shut)."""
+def open_sockets() -> set[tuple[int, int]]:
+    """``(descriptor, inode)`` of each socket this process has open, of every family (Linux:
+    ``/proc/self/fd``; elsewhere an empty set)."""
     try:
         fds = [int(n) for n in os.listdir("/proc/self/fd")]
     except OSError:  # no /proc (not Linux): nothing is watched
@@ -66,11 +67,11 @@ def install() -> None:
         _original = c10d._new_process_group_helper
 
         def watched(*args, **kwargs):
-            before = _network_sockets()
+            before = open_sockets()
             try:
                 return _original(*args, **kwargs)
             finally:
-                new = _network_sockets() - before
+                new = open_sockets() - before
                 with _lock:
                     _owned.update(new)
 
@@ -104,7 +105,7 @@ def shut_down() -> int:
         except OSError:
             continue
         try:
-            if sock.family in _NETWORK:
+            if sock.family in NETWORK:
                 sock.getpeername()  # a listening socket has none (OSError): left alone
                 sock.shutdown(socket.SHUT_RDWR)
                 done += 1

@@ -4,7 +4,6 @@ do): two real ranks, megatron-core's real tensor-parallel group, real gloo conne
 connections' shutdown the blocked peer came back only when the other process exited (measured
 9.0 s here, the length of its sleep), and under in-process restart NVRx's hard timeout killed it."""
 
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -46,19 +45,9 @@ def _rank(rank: int, port: int, out) -> None:
         out.put(("error", 0.0, repr(e)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_peer_blocked_in_a_collective_fails_at_once_when_a_rank_releases_groups_it_still_refers_to():
-    ctx = mp.get_context("spawn")  # fresh interpreters: no group of the test process
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
+def test_a_peer_blocked_in_a_collective_fails_at_once_when_a_rank_releases_groups_it_still_refers_to(start_ranks,
+                                                                                                     free_port):
+    procs, out = start_ranks(_rank, free_port)  # fresh interpreters: no group of the test process
     try:
         got = {}
         while len(got) < 2:

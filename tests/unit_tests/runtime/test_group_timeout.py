@@ -4,14 +4,7 @@ tensor-parallel group fails within seconds. Found by trying: a SIGSTOPped rank h
 in the backward pass with no end in sight (megatron's own default for its groups is 30 minutes)."""
 
 import os
-import socket
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -35,8 +28,8 @@ def _rank(rank: int, port: int, out) -> None:
         out.put((rank, type(e).__name__, time.monotonic() - t0))
 
 
-def test_a_stopped_rank_fails_a_tensor_parallel_collective_within_distributed_timeout_s(start_ranks):
-    procs, out = start_ranks(_rank, _free_port())
+def test_a_stopped_rank_fails_a_tensor_parallel_collective_within_distributed_timeout_s(start_ranks, free_port):
+    procs, out = start_ranks(_rank, free_port)
     rank, what, seconds = out.get(timeout=120)  # rank 0 reports long before rank 1 wakes
     for p in procs:
         p.kill()

@@ -6,8 +6,6 @@ of ``init_process_group`` until NVRx's hard timeout killed it; once that wait co
 the next attempt hung, its WORLD named "1" (a count left by the interrupted build) against "0"."""
 
 import ctypes
-import multiprocessing as mp
-import socket
 import sys
 import threading
 import time
@@ -60,19 +58,8 @@ def _rank(rank: int, port: int, out) -> None:
         out.put(("error", repr(e)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_an_interrupted_group_build_ends_at_once_and_the_next_attempt_builds_its_groups():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
+def test_an_interrupted_group_build_ends_at_once_and_the_next_attempt_builds_its_groups(start_ranks, free_port):
+    procs, out = start_ranks(_rank, free_port)
     try:
         got = []
         while len([g for g in got if g[0] == "attempt"]) < 2:
