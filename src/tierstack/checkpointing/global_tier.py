@@ -141,7 +141,8 @@ class GlobalTier(StagedTier):
         # retention thread still deletes a directory here (its .deleting- name is a leftover too; a
         # slow file system must not block training): a later save removes them.
         if _dist.rank() == 0 and not self.retention_pending:
-            paths.remove_leftovers(self.save_root, run_id)
+            paths.remove_leftovers(self.save_root, run_id)  # and, on a full file system, older checkpoints:
+            retention.make_room_global(self.save_root, run_id, step, c.most_recent_k, best.protected_steps(captured))
 
         def attempt(n: int):
             staging = self.save_root / paths.staging_dir_name(step, run_id, n)

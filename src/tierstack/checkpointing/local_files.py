@@ -8,12 +8,13 @@ it; a file being written is ``.dirty`` until it is renamed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
 from typing import Optional
 
-from tierstack.checkpointing import errors, local_file, manifest, paths
+from tierstack.checkpointing import errors, local_file, manifest, paths, retention
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class LocalFiles:
             log.info("removing rank %d's LOCAL files of step %d, left by an interrupted save", self.layout.rank, old)
             self._remove_step(old, run_id)
         self._abandoned.clear()
+        self._make_room(step, run_id, len(header) + sum(b.nbytes for b in buffers))
         theirs = self._owner(step)
         if theirs not in (None, run_id):  # another run's checkpoint is never replaced or deleted
             raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
@@ -68,6 +70,34 @@ class LocalFiles:
                             step, self.layout.rank, n, errors.describe(e))
                 time.sleep(c.retry_backoff_s * 2 ** (n - 1))
         raise AssertionError("unreachable")
+
+    def _make_room(self, step: int, run_id: str, nbytes: int) -> list[str]:
+        """Writer thread, before writing step ``step`` (``nbytes`` bytes of this rank): when its file
+        system has less room than this node's ranks write for one step (their files and the replicas
+        they receive, ``checkpoint.replication_factor``), remove what a resume does not need, until
+        there is: this rank's quarantined entries, then its own steps of ``run_id`` older than the
+        newest sealed one (oldest first), then the replicas of those steps it keeps for other
+        ranks (:func:`~tierstack.checkpointing.retention.make_room`). The newest step sealed by this
+        process is never removed, nor, before any, this rank's newest file of the run (the run may have
+        resumed from it); with ``most_recent_k=-1`` (keep all) only quarantined entries are."""
+        d, r = self.rank_dir, self.layout.rank
+        need = (nbytes + 2 ** 16) * self.layout.ranks_per_node * max(1, self.cfg.replication_factor)
+        free = retention.free_bytes(d)
+        if free is None or free >= need:  # the usual case: one statvfs, nothing listed
+            return []
+        own = retention.own_local_steps(d, r, run_id)
+        keep = max(self.sealed) if self.sealed else max((s for s in own if s < step), default=None)
+        removals = [(f"quarantined {p}", functools.partial(retention.remove_quarantined, p))
+                    for p in retention.quarantined(d)]
+        if keep is not None and self.cfg.most_recent_k != -1:
+            older = [s for s in own if s < keep]
+            removals += [(f"rank {r}'s LOCAL checkpoint of step {s}", functools.partial(retention.remove_local_step, d, r, s))
+                         for s in older]
+            if self._replication is not None:
+                rep = self._replication
+                removals.append((f"the replicas of steps before {keep} that rank {r} keeps for other ranks",
+                                 functools.partial(rep.store.prune, rep.replicator.clique, run_id, keep, 1)))
+        return retention.make_room(d, need, removals, f"LOCAL checkpoint of step {step} on rank {r}")
 
     def _owner(self, step: int) -> Optional[str]:
         """The run id in this rank's manifest of ``step``; None when there is no manifest."""
