@@ -3,7 +3,8 @@
 Usage: torchrun --nproc-per-node 2 pretrain_worker.py RUN_ROOT SLOW_RANK SLOWDOWN [section.field=value ...]
 SLOW_RANK -1 makes no rank slow. The slow rank sleeps inside its forward step, SLOWDOWN times the
 time that forward step took: straggler scores are ratios of section times, so a sleep in proportion
-flags the rank on a fast machine and on a loaded one alike.
+flags the rank on a fast machine and on a loaded one alike. SLOWDOWN ``F:S`` sleeps at least ``S``
+seconds too (a floor that a stall of another rank on shared cores cannot outweigh).
 """
 
 import os
@@ -16,7 +17,9 @@ from tierstack.training.pretrain import pretrain
 
 
 def main() -> None:
-    run_root, slow_rank, slowdown, overrides = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
+    run_root, slow_rank, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[4:]
+    factor, _, floor = sys.argv[3].partition(":")
+    slowdown, floor_s = float(factor), float(floor or 0)
     config = gpt_config(
         "e2e",
         num_layers=2,
@@ -47,7 +50,7 @@ def main() -> None:
         start = time.perf_counter()
         out = gpt_forward_step(data_iterator, model)
         if rank == slow_rank:
-            time.sleep(slowdown * (time.perf_counter() - start))
+            time.sleep(max(slowdown * (time.perf_counter() - start), floor_s))
         return out
 
     state = pretrain(config, forward_step)
