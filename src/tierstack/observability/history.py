@@ -8,6 +8,7 @@ are trained again), and appends; so a plot at the end covers the whole run famil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ class MetricsHistory:
         self.path = path if path.suffix == ".jsonl" else path / FILE_NAME
         self.enabled = rank == 0
         self.records: list[dict[str, Any]] = []
+        self._unwritten: list[str] = []  # lines a failed write left (a full disk): written with the next one
         if resume_step is not None:
             self.load(resume_step)
 
@@ -65,8 +67,13 @@ class MetricsHistory:
         self.records = kept
         if resume_step is not None:
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                os.replace(tmp, self.path)
+            except OSError as e:  # a full disk: the file keeps the later records until it can be rewritten
+                tmp.unlink(missing_ok=True)
+                log.warning("%s: not cut back to step %d (%s); its records after that step stay in the file",
+                            self.path, resume_step, e)
         return self.records
 
     def append(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -104,9 +111,27 @@ class MetricsHistory:
         return [r["step"] for r in self.records if r.get("event") == RESUME]
 
     def _write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (rank 0). A write that fails (ENOSPC on a full disk, EIO) never stops
+        training: one warning, the record is kept in memory (:attr:`records`, the loss curve) and
+        in a backlog written with the next record that can be (an INFO line says so)."""
         if not self.enabled:
             return
         self.records.append(record)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._unwritten.append(json.dumps(record) + "\n")
+        size = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            size = self.path.stat().st_size if self.path.exists() else 0
+            with self.path.open("a") as f:
+                f.write("".join(self._unwritten))
+        except OSError as e:
+            if size is not None:  # no torn line before the backlog, once it is written
+                with contextlib.suppress(OSError):
+                    os.truncate(self.path, size)
+            if len(self._unwritten) == 1:  # once per failing stretch, not at every log interval
+                log.warning("%s: cannot write (%s); the metrics stay in memory and go on to the other loggers, "
+                            "training goes on, the file is caught up once it can be written", self.path, e)
+            return
+        if len(self._unwritten) > 1:
+            log.info("%s: written again, %d records caught up", self.path, len(self._unwritten))
+        self._unwritten.clear()

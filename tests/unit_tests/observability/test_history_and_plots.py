@@ -68,3 +68,32 @@ def test_file_path_and_resume_step_at_construction(tmp_path):
     assert max(r["step"] for r in resumed.records) == 20
     fresh = MetricsHistory(tmp_path, rank=0, resume_step=0)  # a fresh start clears the old file
     assert fresh.records == [] and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_full_disk_never_stops_the_history_and_the_file_is_caught_up(tmp_path, caplog):
+    """``metrics.jsonl`` on a full disk (a link to ``/dev/full``: every write fails with ENOSPC):
+    before, the append raised out of the training loop and ended the run. Now one warning, the
+    records stay in memory, and once the file can be written again it gets every record in order."""
+    import errno
+    import json
+    import logging
+
+    full = tmp_path / "metrics.jsonl"
+    full.symlink_to("/dev/full")
+    try:
+        open("/dev/full", "a").close()
+    except OSError:
+        pytest.skip("no /dev/full on this machine")
+    history = MetricsHistory(tmp_path, rank=0)
+    caplog.set_level(logging.INFO)
+    for step in (1, 2, 3):
+        history.append(step, {"loss": float(step)})
+    assert [r["step"] for r in history.metrics()] == [1, 2, 3]
+    warnings = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warnings) == 1 and f"[Errno {errno.ENOSPC}]" in warnings[0].getMessage()
+    full.unlink()  # the disk has room again
+    history.add_checkpoint(4, "LOCAL")
+    lines = [json.loads(x) for x in full.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4] and lines[-1]["event"] == "checkpoint"
+    assert "written again, 4 records caught up" in caplog.text
+    assert [r["step"] for r in MetricsHistory(tmp_path, rank=0, resume_step=4).records] == [1, 2, 3, 4]
