@@ -48,6 +48,7 @@ class RunLoggers:
 
     def __init__(self, *loggers: RunLogger) -> None:
         self._loggers: list[RunLogger] = [lg for lg in loggers if lg is not None]
+        self._failing: dict[tuple[int, str], int] = {}  # (logger id, method) -> failed calls in a row
 
     def add(self, logger: Optional[RunLogger]) -> None:
         """Add ``logger`` (None is ignored)."""
@@ -58,11 +59,22 @@ class RunLoggers:
         return len(self._loggers)
 
     def _each(self, method: str, *args) -> None:
+        """``method(*args)`` on every logger. A failure never fails training or a published save: the
+        first one of a logger's method is logged with its traceback, the ones after it are counted
+        (a full disk fails every log interval), and the first success after them says how many."""
         for lg in self._loggers:
+            key = (id(lg), method)
             try:
                 getattr(lg, method)(*args)
             except Exception:  # noqa: BLE001 - a logger hiccup must not fail training or a published save
-                log.exception("%s.%s failed", type(lg).__name__, method)
+                n = self._failing.get(key, 0)
+                self._failing[key] = n + 1
+                if n == 0:
+                    log.exception("%s.%s failed (later failures of it are counted, not logged)",
+                                  type(lg).__name__, method)
+                continue
+            if key in self._failing:
+                log.info("%s.%s works again after %d failed calls", type(lg).__name__, method, self._failing.pop(key))
 
     def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Once per log interval: ``metrics`` at iteration ``step`` to every logger."""

@@ -248,11 +248,35 @@ def _build(cfg: ConfigContainer, layout: runtime.ParallelLayout, stack: contextl
 
 
 def _build_experiment_tracker(cfg: ConfigContainer, layout: runtime.ParallelLayout) -> "Optional[ExperimentTracker]":
+    """Collective: the mlflow tracker (rank 0 opens the store); a store that cannot be opened stops
+    every rank alike (:func:`_tracker_agreed`)."""
     if cfg.mlflow is None:
         return None
     from tierstack.observability.experiment_tracker import ExperimentTracker
 
-    return ExperimentTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank)
+    return _tracker_agreed(cfg, lambda: ExperimentTracker(cfg.mlflow, cfg.logger.run_dir, layout.rank))
+
+
+def _tracker_agreed(cfg: ConfigContainer, fn):
+    """Collective: ``fn()`` (mlflow work on rank 0); when it raises, every rank raises one
+    :class:`BadInputError` naming the tracking store, its root cause (e.g. sqlite's "database or disk
+    is full" under ``logger.run_dir``) and the fix, instead of rank 0's library traceback while the
+    other ranks wait for it."""
+    try:
+        out, problem = fn(), None
+    except Exception as e:  # noqa: BLE001 - mlflow, sqlalchemy, OSError: all mean the store is unusable
+        root = e
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__
+        uri = cfg.mlflow.tracking_uri or f"sqlite:///{Path(cfg.logger.run_dir).resolve() / 'mlflow.db'}"
+        why = (str(root).splitlines() or [repr(root)])[0]
+        out, problem = None, (f"mlflow: the tracking store {uri} cannot be used ({type(root).__name__}: "
+                              f"{why}); free space there, set "
+                              "mlflow.tracking_uri to another store, or mlflow=null to train without mlflow")
+    problem = collectives.broadcast_object(problem)
+    if problem is not None:
+        raise BadInputError(problem)
+    return out
 
 
 def _start_loggers(cfg: ConfigContainer, layout: runtime.ParallelLayout, loggers, tracker, train_state: TrainState,
@@ -261,11 +285,11 @@ def _start_loggers(cfg: ConfigContainer, layout: runtime.ParallelLayout, loggers
     (``logger.tensorboard_dir``) and W&B (section ``wandb``) to ``loggers``, continuing the curves of
     the run resumed at ``train_state.step`` (0: a fresh start)."""
     if tracker is not None:
-        run_id = tracker.start(
+        run_id = _tracker_agreed(cfg, lambda: tracker.start(
             cfg.flat_params(),
             resume_run_id=train_state.experiment_run_id,
             resume_step=resume_info.step if resume_info is not None else None,
-        )
+        ))
         train_state.experiment_run_id = collectives.broadcast_object(run_id, src=0)  # rank 0 talks to mlflow
     resume_step = train_state.step
     tb_dir = cfg.logger.tensorboard_path()

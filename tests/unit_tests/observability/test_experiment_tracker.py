@@ -102,3 +102,26 @@ def test_other_ranks_and_disabled_tracking_are_no_ops(tmp_path):
 def test_bad_status_is_refused(tmp_path):
     with pytest.raises(ValueError, match="FINISHED"):
         ExperimentTracker(None, tmp_path, rank=0).finish("DONE")
+
+
+def test_a_store_that_cannot_be_opened_is_one_clear_refusal_not_a_library_traceback(tmp_path):
+    """Found on a full disk under ``logger.run_dir`` (2 ranks): rank 0 died in setup with
+    sqlalchemy's traceback ("database or disk is full") while rank 1 waited for it. Setup now turns
+    any failure of the store into one BadInputError (agreed across ranks) naming the store, the
+    root cause and the fix. Here a real sqlite store whose file cannot be created (a path under
+    /dev/null, which is no directory)."""
+    from tierstack.errors import BadInputError
+    from tierstack.recipes import gpt_tiny_config
+    from tierstack.training.setup import _build_experiment_tracker
+    from tierstack.runtime import ParallelLayout
+
+    cfg = gpt_tiny_config().apply_overrides([f"logger.run_dir={tmp_path}",
+                                             "mlflow.tracking_uri=sqlite:////dev/null/mlflow.db"])
+    layout = ParallelLayout(rank=0, world_size=1, local_rank=0, tensor_model_parallel_size=1,
+                            pipeline_model_parallel_size=1, data_parallel_size=1, tensor_model_parallel_rank=0,
+                            pipeline_model_parallel_rank=0, data_parallel_rank=0)
+    with pytest.raises(BadInputError) as e:
+        _build_experiment_tracker(cfg, layout)
+    msg = str(e.value)
+    assert msg.startswith("mlflow: the tracking store sqlite:////dev/null/mlflow.db cannot be used (")
+    assert "mlflow=null to train without mlflow" in msg and "\n" not in msg

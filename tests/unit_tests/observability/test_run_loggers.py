@@ -58,6 +58,25 @@ def test_every_logger_gets_each_call_and_a_failing_one_never_stops_the_others(ca
     assert "Recorder.log_metrics failed" in caplog.text
 
 
+def test_a_logger_failing_at_every_interval_is_logged_once_and_its_recovery_said(caplog):
+    """A full disk under mlflow's store fails every log interval: one traceback, then a count, not a
+    traceback per interval; the first call that works again says how many failed."""
+    flaky = Recorder(fail=True)
+    loggers = RunLoggers(flaky)
+    with caplog.at_level(logging.INFO):
+        for step in range(1, 6):
+            loggers.log_metrics(step, {"loss": 1.0})
+        loggers.set_tag("k", "v")  # another method fails on its own account
+        flaky.fail = False
+        loggers.log_metrics(6, {"loss": 1.0})
+        loggers.log_metrics(7, {"loss": 1.0})
+    failures = [r for r in caplog.records if "failed (later failures" in r.getMessage()]
+    assert [r.getMessage().split(" ")[0] for r in failures] == ["Recorder.log_metrics", "Recorder.set_tag"]
+    assert all(r.exc_info for r in failures)
+    assert "Recorder.log_metrics works again after 5 failed calls" in caplog.text
+    assert caplog.text.count("works again") == 1 and len(flaky.calls) == 8
+
+
 def test_numeric_items_keep_finite_numbers_only():
     import torch
 
