@@ -75,6 +75,9 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # It logs every failed database call with its traceback before raising it; the raise reaches
+    # RunLoggers, which logs a logger's first failure (the same traceback) and counts the rest.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 class ExperimentTracker:

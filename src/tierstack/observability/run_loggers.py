@@ -97,8 +97,12 @@ class RunLoggers:
         for lg in reversed(self._loggers):
             try:
                 lg.finish(status)
-            except Exception:  # noqa: BLE001
-                log.exception("%s.finish failed", type(lg).__name__)
+            except Exception as e:  # noqa: BLE001
+                if any(key[0] == id(lg) for key in self._failing):  # its traceback was logged already
+                    log.error("%s.finish failed too (%s: %s)", type(lg).__name__, type(e).__name__,
+                              (str(e).splitlines() or [""])[-1])
+                else:
+                    log.exception("%s.finish failed", type(lg).__name__)
 
 
 def numeric_items(metrics: Mapping[str, Any]) -> list[tuple[str, float]]:

@@ -48,6 +48,28 @@ def _console_only(record: logging.LogRecord) -> bool:
     return not getattr(record, FILE_ONLY_ATTR, False)
 
 
+class _RankLogFile(logging.FileHandler):
+    """A rank's log file that a full disk (ENOSPC) or EIO does not flood the console about: logging's
+    own handler prints a traceback to stderr for every record it cannot write; this one says it
+    once per failing stretch, and once when the file is written again (the console keeps every line)."""
+
+    failing = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed_now = False
+        super().emit(record)
+        if self.failing and not self._failed_now:
+            self.failing = False
+            sys.stderr.write(f"tierstack: the log file {self.baseFilename} is written again\n")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._failed_now = True
+        if not self.failing:
+            self.failing = True
+            sys.stderr.write(f"tierstack: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); its "
+                             "lines are left out until it can be written again (the console keeps its own)\n")
+
+
 def _open_rank_log(path: Path, rank: int, root: logging.Logger) -> None:
     """Append this rank's records to ``path`` (one handler per process: a second call with the
     same path adds none), after a line that says which start of the rank follows."""
@@ -55,7 +77,7 @@ def _open_rank_log(path: Path, rank: int, root: logging.Logger) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+        handler = _RankLogFile(path, mode="a", encoding="utf-8")
     except OSError as exc:
         log.warning("rank %d: cannot write its log file %s (%s); logging to the console only", rank, path, exc)
         return

@@ -97,3 +97,31 @@ def test_a_full_disk_never_stops_the_history_and_the_file_is_caught_up(tmp_path,
     assert [x["step"] for x in lines] == [1, 2, 3, 4] and lines[-1]["event"] == "checkpoint"
     assert "written again, 4 records caught up" in caplog.text
     assert [r["step"] for r in MetricsHistory(tmp_path, rank=0, resume_step=4).records] == [1, 2, 3, 4]
+
+
+def test_a_rank_log_file_on_a_full_disk_is_said_once_not_per_record(tmp_path, capfd):
+    """logging's FileHandler printed ``--- Logging error ---`` and a traceback for every record it
+    could not write (41 in a 40-iteration run whose run_dir filled up). The rank's log file now says it
+    once per failing stretch; its records still reach the other handlers."""
+    import logging
+
+    from tierstack.training.reporting import _RankLogFile
+
+    try:
+        open("/dev/full", "a").close()
+    except OSError:
+        pytest.skip("no /dev/full on this machine")
+    (tmp_path / "rank0.log").symlink_to("/dev/full")
+    handler = _RankLogFile(tmp_path / "rank0.log", mode="a", encoding="utf-8")
+    logger = logging.getLogger("tierstack.test_full_log")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for n in range(5):
+            logger.info("record %d", n)
+    finally:
+        logger.removeHandler(handler)
+        handler.stream = None  # its buffered bytes can never be flushed to /dev/full
+    err = capfd.readouterr().err
+    assert err.count("cannot write the log file") == 1 and "No space left on device" in err
+    assert "Logging error" not in err and handler.failing

@@ -75,6 +75,12 @@ def test_a_logger_failing_at_every_interval_is_logged_once_and_its_recovery_said
     assert all(r.exc_info for r in failures)
     assert "Recorder.log_metrics works again after 5 failed calls" in caplog.text
     assert caplog.text.count("works again") == 1 and len(flaky.calls) == 8
+    flaky.fail = True
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        loggers.set_tag("k", "v")  # still counted: no new traceback
+        loggers.finish("FINISHED")
+    assert [r.getMessage() for r in caplog.records] == ["Recorder.finish failed too (RuntimeError: tracker down)"]
 
 
 def test_numeric_items_keep_finite_numbers_only():
