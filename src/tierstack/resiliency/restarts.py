@@ -61,8 +61,12 @@ def record_start(run_dir: Path) -> Optional[dict]:
         same = old is not None and old.get("rdzv_id") == rdzv_id and not new_launch
         starts = (list(old.get("starts", [])) if same else []) + [{"unix": time.time(), "world_size": _dist.world_size()}]
         record = {"rdzv_id": rdzv_id, "restarts": len(starts) - 1, "max_restarts": max_restarts, "starts": starts}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        paths.atomic_write_json(path, record)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            paths.atomic_write_json(path, record)
+        except OSError as e:  # a full run_dir must not stop the training (its checkpoints may be elsewhere)
+            log.warning("%s cannot be written (%s): this start is counted for this launch only, so the "
+                        "job-wide restart limit is not kept across restarts until it can be written", path, e)
     record = _dist.broadcast_object(record)
     n = record["restarts"]
     if n > max_restarts:

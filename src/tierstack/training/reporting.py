@@ -62,12 +62,20 @@ class _RankLogFile(logging.FileHandler):
             self.failing = False
             sys.stderr.write(f"tierstack: the log file {self.baseFilename} is written again\n")
 
-    def handleError(self, record: logging.LogRecord) -> None:
+    def handleError(self, record: Optional[logging.LogRecord]) -> None:
         self._failed_now = True
         if not self.failing:
             self.failing = True
             sys.stderr.write(f"tierstack: cannot write the log file {self.baseFilename} ({sys.exc_info()[1]}); its "
                              "lines are left out until it can be written again (the console keeps its own)\n")
+
+    def write_line(self, text: str) -> None:
+        """Write ``text`` and a newline as is (no record), failing as a record would."""
+        try:
+            self.stream.write(text + "\n")
+            self.flush()
+        except OSError:
+            self.handleError(None)
 
 
 def _open_rank_log(path: Path, rank: int, root: logging.Logger) -> None:
@@ -86,8 +94,7 @@ def _open_rank_log(path: Path, rank: int, root: logging.Logger) -> None:
     handler.setLevel(logging.INFO)
     root.addHandler(handler)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    handler.stream.write(f"==== rank {rank}, pid {os.getpid()}, torchrun restart count {restart} ====\n")
-    handler.flush()
+    handler.write_line(f"==== rank {rank}, pid {os.getpid()}, torchrun restart count {restart} ====")
 
 
 @contextlib.contextmanager

@@ -296,7 +296,11 @@ def _start_loggers(cfg: ConfigContainer, layout: runtime.ParallelLayout, loggers
     if tb_dir is not None:
         from tierstack.observability.tensorboard_logger import TensorBoardLogger
 
-        loggers.add(TensorBoardLogger(tb_dir, layout.rank, resume_step=resume_step, config=cfg.to_dict()))
+        try:  # rank 0 writes the event file at once: a full disk must not stop the run for its curves
+            loggers.add(TensorBoardLogger(tb_dir, layout.rank, resume_step=resume_step, config=cfg.to_dict()))
+        except OSError as e:
+            log.warning("TensorBoard is off for this run: %s cannot be written (%s); mlflow and metrics.jsonl "
+                        "go on (free space there, or set logger.tensorboard_dir elsewhere)", tb_dir, e)
     if cfg.wandb is not None:
         from tierstack.observability.wandb_logger import WandbLogger
 

@@ -117,6 +117,7 @@ def test_a_rank_log_file_on_a_full_disk_is_said_once_not_per_record(tmp_path, ca
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
+        handler.write_line("==== rank 0, pid 1, torchrun restart count 0 ====")  # raised in setup before the fix
         for n in range(5):
             logger.info("record %d", n)
     finally:
