@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from tierstack.checkpointing import errors, local_file, manifest, paths, retention
+from tierstack.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ class LocalFiles:
         return self.rank_dir / paths.local_file_name(step, r), self.rank_dir / paths.local_manifest_name(step, r)
 
     def _write_and_seal(self, step: int, run_id: str, train_state: dict, header: bytes, buffers: list,
-                        extra: dict) -> int:
-        """Writer thread: write this rank's file and manifest; transient I/O errors retried here."""
+                        extra: dict, room: Optional[tuple] = None) -> int:
+        """Writer thread: write this rank's file and manifest; transient I/O errors retried here.
+        ``room``: :meth:`_room_plan`'s plan when some rank is short of room (carried out first)."""
         c = self.cfg
         ckpt, man_path = self._paths(step)
         self.rank_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +48,8 @@ class LocalFiles:
             log.info("removing rank %d's LOCAL files of step %d, left by an interrupted save", self.layout.rank, old)
             self._remove_step(old, run_id)
         self._abandoned.clear()
-        self._make_room(step, run_id, len(header) + sum(b.nbytes for b in buffers))
+        if room is not None:
+            self._make_room(step, run_id, room)
         theirs = self._owner(step)
         if theirs not in (None, run_id):  # another run's checkpoint is never replaced or deleted
             raise FileExistsError(f"{ckpt} holds a LOCAL checkpoint of run {theirs}, not of this run ({run_id}); "
@@ -71,33 +74,48 @@ class LocalFiles:
                 time.sleep(c.retry_backoff_s * 2 ** (n - 1))
         raise AssertionError("unreachable")
 
-    def _make_room(self, step: int, run_id: str, nbytes: int) -> list[str]:
-        """Writer thread, before writing step ``step`` (``nbytes`` bytes of this rank): when its file
-        system has less room than this node's ranks write for one step (their files and the replicas
-        they receive, ``checkpoint.replication_factor``), remove what a resume does not need, until
-        there is: this rank's quarantined entries, then its own steps of ``run_id`` older than the
-        newest sealed one (oldest first), then the replicas of those steps it keeps for other
-        ranks (:func:`~tierstack.checkpointing.retention.make_room`). The newest step sealed by this
-        process is never removed, nor, before any, this rank's newest file of the run (the run may have
-        resumed from it); with ``most_recent_k=-1`` (keep all) only quarantined entries are."""
+    def _room_plan(self, step: int, run_id: str, nbytes: int) -> Optional[tuple[int, list[int], int]]:
+        """Collective, on the training thread before the file save of ``step`` is handed off: whether
+        any rank's file system has less room than its node's ranks write for one step (``nbytes`` of
+        each rank's file, times ``checkpoint.replication_factor`` for the replicas they receive).
+
+        Returns None when every rank has room (one all-reduce), else ``(keep, doomed, own_need)``
+        for :meth:`_make_room`: ``keep``, the newest step sealed by this process, or before any,
+        the newest step whose file every rank holds (all-gathered); ``doomed``, this rank's own steps
+        of ``run_id`` older than ``keep``. Every rank removes its steps older than the same
+        ``keep`` (a check of each rank's own free space left one rank's copy of a step removed and
+        the other's kept, which ``checkpoints verify`` reports as damaged). ``most_recent_k=-1``
+        (keep all) or no such ``keep``: nothing but quarantined entries of this run."""
+        need = (nbytes + 2 ** 16) * max(1, self.cfg.replication_factor)
+        free = retention.free_bytes(self.rank_dir) if self.rank_dir.exists() else retention.free_bytes(self.root)
+        short = free is not None and free < need * self.layout.ranks_per_node
+        if not collectives.any_true(short):  # the usual case
+            return None
+        own = retention.own_local_steps(self.rank_dir, self.layout.rank, run_id) if self.rank_dir.exists() else []
+        held = [set(x) for x in collectives.all_gather_object([s for s in own if s < step])]
+        common = set.intersection(*held) if held else set()
+        keep = max(self.sealed) if self.sealed else max(common, default=None)
+        doomed = [s for s in own if keep is not None and s < keep] if self.cfg.most_recent_k != -1 else []
+        return (keep if self.cfg.most_recent_k != -1 else None), doomed, need
+
+    def _make_room(self, step: int, run_id: str, plan: tuple[int, list[int], int]) -> list[str]:
+        """Writer thread, before writing step ``step``: carry out :meth:`_room_plan`'s ``plan``: every
+        one of ``doomed`` (this rank's steps older than ``keep``) and the replicas of steps before
+        ``keep`` this rank keeps for other ranks, then, as long as room is short, this run's
+        quarantined entries (:func:`~tierstack.checkpointing.retention.make_room`; each removal
+        logged). The step ``keep`` itself is never removed."""
+        keep, doomed, need = plan
         d, r = self.rank_dir, self.layout.rank
-        need = (nbytes + 2 ** 16) * self.layout.ranks_per_node * max(1, self.cfg.replication_factor)
-        free = retention.free_bytes(d)
-        if free is None or free >= need:  # the usual case: one statvfs, nothing listed
-            return []
-        own = retention.own_local_steps(d, r, run_id)
-        keep = max(self.sealed) if self.sealed else max((s for s in own if s < step), default=None)
-        removals = [(f"quarantined {p}", functools.partial(retention.remove_quarantined, p))
-                    for p in retention.quarantined(d)]
-        if keep is not None and self.cfg.most_recent_k != -1:
-            older = [s for s in own if s < keep]
-            removals += [(f"rank {r}'s LOCAL checkpoint of step {s}", functools.partial(retention.remove_local_step, d, r, s))
-                         for s in older]
-            if self._replication is not None:
-                rep = self._replication
-                removals.append((f"the replicas of steps before {keep} that rank {r} keeps for other ranks",
-                                 functools.partial(rep.store.prune, rep.replicator.clique, run_id, keep, 1)))
-        return retention.make_room(d, need, removals, f"LOCAL checkpoint of step {step} on rank {r}")
+        forced = [(f"rank {r}'s LOCAL checkpoint of step {s}", functools.partial(retention.remove_local_step, d, r, s))
+                  for s in doomed]
+        if keep is not None and self._replication is not None:
+            rep = self._replication
+            forced.append((f"the replicas of steps before {keep} that rank {r} keeps for other ranks",
+                           functools.partial(rep.store.prune, rep.replicator.clique, run_id, keep, 1)))
+        quarantined = [(f"quarantined {p}", functools.partial(retention.remove_quarantined, p))
+                       for p in retention.quarantined(d, run_id)]
+        return retention.make_room(d, need * self.layout.ranks_per_node, quarantined,
+                                   f"LOCAL checkpoint of step {step} on rank {r}", forced=forced, own_need=need)
 
     def _owner(self, step: int) -> Optional[str]:
         """The run id in this rank's manifest of ``step``; None when there is no manifest."""

@@ -151,8 +151,9 @@ class LocalTier(LocalFiles, StagedTier):
                 train_state=captured, files={}, rank=self.layout.rank, in_memory=True, **extra))
             return time.perf_counter() - t0
         then = None if self._replication is None else self._replication.writer_step(step)
+        room = self._room_plan(step, run_id, len(staged["header"]) + sum(b.nbytes for b in staged["buffers"]))
         job = self._submit_checked(f"LOCAL checkpoint of step {step}", self._write_and_seal, step, run_id,
-                                   captured, staged["header"], staged["buffers"], extra, then=then)
+                                   captured, staged["header"], staged["buffers"], extra, room, then=then)
         blocked = time.perf_counter() - t0
         self._in_flight = _InFlight(step, run_id, t0, blocked, job)
         if self.layout.rank == 0:

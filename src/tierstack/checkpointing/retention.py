@@ -93,7 +93,7 @@ def make_room_global(root: Path, run_id: str, step: int, k: int, protected: Iter
     _global_need[str(root)] = need
     if free >= need:
         return []
-    removals = [(f"quarantined {p}", lambda p=p: remove_quarantined(p)) for p in quarantined(root)]
+    removals = [(f"quarantined {p}", lambda p=p: remove_quarantined(p)) for p in quarantined(root, run_id)]
     if k != -1:
         keep = {int(s) for s in protected} | {newest}
         removals += [(f"GLOBAL checkpoint {own[s]}", lambda s=s: remove_global_step(own[s], s, run_id))
@@ -177,9 +177,11 @@ def _size(path: Path) -> int:
         return 0
 
 
-def quarantined(directory: Path) -> list[Path]:
+def quarantined(directory: Path, run_id: Optional[str] = None) -> list[Path]:
     """The quarantined entries (``*.invalid-*`` files or directories) of ``directory``, oldest first
-    by modification time (a rename keeps it: the age of the checkpoint, not of the quarantine)."""
+    by modification time (a rename keeps it: the age of the checkpoint, not of the quarantine);
+    with ``run_id``, only those whose manifest names that run (:func:`_quarantined_run`): another
+    run's, or one whose run cannot be told, is left out."""
     try:
         entries = [p for p in Path(directory).iterdir() if ".invalid-" in p.name]
     except OSError:
@@ -187,10 +189,23 @@ def quarantined(directory: Path) -> list[Path]:
     dated = []
     for p in entries:
         try:
-            dated.append((p.stat().st_mtime, p))
+            if run_id is None or _quarantined_run(p) == run_id:
+                dated.append((p.stat().st_mtime, p))
         except OSError:  # removed meanwhile
             pass
     return [p for _, p in sorted(dated, key=lambda e: e[0])]
+
+
+def _quarantined_run(p: Path) -> Optional[str]:
+    """The run id of a quarantined entry: a GLOBAL step directory's manifest, a LOCAL manifest itself,
+    or a LOCAL file's manifest quarantined with it (same reason); None when there is none."""
+    if p.is_dir():
+        return (paths.read_json(p / paths.MANIFEST) or {}).get("run_id")
+    base, _, reason = p.name.partition(".invalid-")
+    parsed = paths.parse_local_file(base)
+    if parsed is not None:
+        p = p.with_name(f"{paths.local_manifest_name(*parsed)}.invalid-{reason}")
+    return (paths.read_json(p) or {}).get("run_id")
 
 
 def remove_quarantined(p: Path) -> None:
@@ -227,39 +242,52 @@ def free_bytes(directory: Path) -> Optional[int]:
 
 
 def make_room(directory: Path, need_bytes: int, removals: Iterable[tuple[str, Callable[[], object]]],
-              what: str) -> list[str]:
-    """Before a save writes about ``need_bytes`` bytes on the file system of ``directory``: while
-    fewer are free, run the next of ``removals`` (``(label, remove)`` pairs, the least needed
-    first); returns the labels of those run.
+              what: str, forced: Iterable[tuple[str, Callable[[], object]]] = (),
+              own_need: Optional[int] = None) -> list[str]:
+    """Before a save writes on the file system of ``directory``: run every one of ``forced`` (removals
+    the ranks agreed on, :meth:`~tierstack.checkpointing.local_files.LocalFiles._room_plan`), then,
+    while fewer than ``need_bytes`` bytes are free, the next of ``removals`` (``(label, remove)``
+    pairs, the least needed first); returns the labels of those run.
 
     Retention removes old checkpoints only after a save has sealed, so a file system that holds
     ``most_recent_k`` checkpoints but not one more failed every later save (ENOSPC) while the old
     ones stayed. The caller passes only what a resume does not need: never the newest sealed step.
     Each removal is logged with what was given up and the free and needed bytes (the first one in
-    a directory as a WARNING, later ones at INFO); when ``removals`` run out first, one WARNING says
-    the write will likely fail, and the save then fails and is reported as any failed save
-    (nothing else is deleted).
+    a directory as a WARNING, later ones at INFO); when fewer than ``own_need`` bytes (what this
+    process writes; default ``need_bytes``) are still free at the end, one WARNING says the write
+    will likely fail, and the save then fails and is reported as any failed save.
     """
+    forced = list(forced)
     free = free_bytes(directory)
-    if free is None or free >= need_bytes:
+    if free is None or (free >= need_bytes and not forced):
         return []
     done = []
-    for label, remove in removals:
+
+    def run(label: str, remove: Callable[[], object], agreed: bool = False) -> None:
         first = str(directory) not in _made_room
         _made_room.add(str(directory))
         log.log(logging.WARNING if first else logging.INFO,
-                "%s: %s has %d bytes free, about %d needed: removing %s to make room%s", what, directory, free,
-                need_bytes, label, " (retention removes old checkpoints after a save seals, too late on a full "
-                "file system; later removals for room in this directory are logged at INFO)" if first else "")
+                "%s: removing %s to make room (%s has %d bytes free, about %d needed%s)%s", what, label, directory,
+                free, need_bytes, "; every rank removes the same steps when any is short" if agreed else "",
+                " (retention removes old checkpoints after a save seals, too late on a full file system; later "
+                "removals for room in this directory are logged at INFO)" if first else "")
         try:
             remove()
         except OSError as e:
             log.warning("retention: could not remove %s (%s)", label, e)
-            continue
+            return
         done.append(label)
+
+    for label, remove in forced:
+        run(label, remove, agreed=True)
         free = free_bytes(directory)
+    for label, remove in removals:
         if free is None or free >= need_bytes:
             return done
-    log.warning("%s: %s has %d bytes free, about %d needed, and nothing this save may remove is left: the write "
-                "will likely fail (ENOSPC); free space there or move the directory", what, directory, free, need_bytes)
+        run(label, remove)
+        free = free_bytes(directory)
+    if free is not None and free < (need_bytes if own_need is None else own_need):
+        log.warning("%s: %s has %d bytes free, about %d needed, and nothing this save may remove is left: the write "
+                    "will likely fail (ENOSPC); free space there or move the directory", what, directory, free,
+                    need_bytes if own_need is None else own_need)
     return done

@@ -10,6 +10,7 @@ all sealed after; the same with GLOBAL (39 MB per step) on that tmpfs.
 """
 
 import errno
+import json
 import logging
 import os
 import time
@@ -56,8 +57,9 @@ def capacity(tmp_path, monkeypatch):
 
 def _local_save(tier: LocalTier, step: int) -> None:
     """One LOCAL file save of ``step`` through the tier's writer thread and finalize (sealed or failed)."""
-    job = tier._stager.submit(tier._write_and_seal, step, "runA", {"step": step}, b"header",
-                              [torch.full((STEP_BYTES // 4,), float(step))], {})
+    buffers = [torch.full((STEP_BYTES // 4,), float(step))]
+    room = tier._room_plan(step, "runA", 6 + STEP_BYTES)  # what LocalTier.save decides before the hand-off
+    job = tier._stager.submit(tier._write_and_seal, step, "runA", {"step": step}, b"header", buffers, {}, room)
     tier._in_flight = _InFlight(step, "runA", time.perf_counter(), 0.0, job)
     tier.finalize(blocking=True)
     tier.release_retention(None)
@@ -73,19 +75,44 @@ def test_a_local_disk_with_room_for_k_steps_keeps_saving_by_removing_the_oldest_
     tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local"), most_recent_k=2), LAYOUT)
     try:
         capacity.bytes = int(2.5 * STEP_BYTES)  # k=2 steps fit, a third one does not
-        quarantined = tier.rank_dir / (paths.local_file_name(1, 0) + ".invalid-damaged")
         _local_save(tier, 3)
-        quarantined.write_bytes(b"q" * 1000)
         _local_save(tier, 6)
         assert _own_steps(tier) == [3, 6]
         for step in (9, 12):
             _local_save(tier, step)
             assert tier.sealed[-1] == step and tier.failures == []
-        assert _own_steps(tier) == [9, 12] and not quarantined.exists()
-        warnings = [r.getMessage() for r in caplog.records if "to make room" in r.getMessage()]
-        assert "removing quarantined" in warnings[0] and "step 3" in warnings[1] and "step 6" in warnings[2], warnings
-        assert [r.levelno for r in caplog.records if "to make room" in r.getMessage()] == [
-            logging.WARNING, logging.INFO, logging.INFO]  # the first removal in a directory is the warning
+        assert _own_steps(tier) == [9, 12]
+        removals = [r for r in caplog.records if "to make room" in r.getMessage()]
+        assert ["step 3 to make room" in removals[0].getMessage(), "step 6 to make room" in removals[1].getMessage()] \
+            == [True, True] and len(removals) == 2
+        assert [r.levelno for r in removals] == [logging.WARNING, logging.INFO]  # the first one in a directory warns
+    finally:
+        tier.close()
+
+
+def _quarantine_pair(rank_dir, step, run_id, nbytes):
+    """A LOCAL file and its manifest of ``run_id`` quarantined together, as resume selection does."""
+    f = rank_dir / f"{paths.local_file_name(step, 0)}.invalid-damaged"
+    f.write_bytes(b"q" * nbytes)
+    (rank_dir / f"{paths.local_manifest_name(step, 0)}.invalid-damaged").write_text(json.dumps({"run_id": run_id}))
+    return f
+
+
+def test_quarantined_files_of_this_run_give_way_when_no_older_step_is_left_and_another_runs_never(
+        tmp_path, capacity, caplog):
+    tier = LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local"), most_recent_k=2), LAYOUT)
+    try:
+        mine, theirs = STEP_BYTES * 6 // 10, STEP_BYTES // 10
+        capacity.bytes = int(1.5 * STEP_BYTES) + mine + theirs + 8192
+        _local_save(tier, 3)
+        q_mine = _quarantine_pair(tier.rank_dir, 1, "runA", mine)
+        q_theirs = _quarantine_pair(tier.rank_dir, 2, "another-run", theirs)
+        by_hand = tier.rank_dir / "iter_0000002_0_local.pt.invalid-byhand"  # no manifest: its run is unknown
+        by_hand.write_bytes(b"h")
+        _local_save(tier, 6)  # step 3 is the newest sealed: only this run's quarantined file can give way
+        assert tier.failures == [] and _own_steps(tier) == [3, 6]
+        assert not q_mine.exists() and q_theirs.exists() and by_hand.exists()
+        assert f"removing quarantined {q_mine} to make room" in caplog.text
     finally:
         tier.close()
 
@@ -123,12 +150,55 @@ def test_a_full_global_file_system_gives_up_the_oldest_unprotected_checkpoint_of
     for step in (10, 20, 30, 40):
         _published(root, step)
     _published(root, 5, run_id="another-run")
-    capacity.bytes = int(5.5 * STEP_BYTES)  # 0.5 MiB free: the next checkpoint (1 MiB) does not fit
+    _published(root, 3, run_id="another-run")
+    theirs = paths.quarantine(root / paths.step_dir_name(3), "damaged")  # another run's quarantined step: kept
+    capacity.bytes = int(6.5 * STEP_BYTES)  # 0.5 MiB free: the next checkpoint (1 MiB) does not fit
     removed = retention.make_room_global(root, "runA", 50, k=4, protected={10})
     assert removed == [f"GLOBAL checkpoint {root / paths.step_dir_name(20)}"]  # 10 is a best record, 40 newest
     assert sorted(retention.own_global_steps(root, "runA")) == [10, 30, 40]
-    assert retention.own_global_steps(root, "another-run")  # another run's checkpoint is never touched
+    assert retention.own_global_steps(root, "another-run") and theirs.exists()  # another run's: never touched
     assert retention.make_room_global(root, "runA", 50, k=4, protected={10}) == []  # room now: nothing more
-    capacity.bytes = int(4.2 * STEP_BYTES)
+    capacity.bytes = int(5.2 * STEP_BYTES)
     assert retention.make_room_global(root, "runA", 50, k=-1, protected=()) == []  # keep all: never
     assert sorted(retention.own_global_steps(root, "runA")) == [10, 30, 40]
+
+
+def _two_rank_worker(rank, root, store, out):
+    """A rank of :func:`test_every_rank_removes_the_same_steps_when_one_rank_is_short`: rank 0's file
+    system reports no room once it holds 2 steps, rank 1's always has room."""
+    import torch.distributed as dist
+
+    from tierstack.runtime import ParallelLayout
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        layout = ParallelLayout(rank=rank, world_size=2, local_rank=rank, tensor_model_parallel_size=1,
+                                pipeline_model_parallel_size=1, data_parallel_size=2, tensor_model_parallel_rank=0,
+                                pipeline_model_parallel_rank=0, data_parallel_rank=rank)
+        usage = namedtuple("usage", "total used free")
+
+        def disk_usage(path):
+            files = len(list((root / "local" / "0").glob("iter_*_local.pt"))) if rank == 0 else 0
+            return usage(1 << 40, 0, 0 if files >= 2 else 1 << 40)
+
+        retention.shutil.disk_usage = disk_usage
+        tier = LocalTier(CheckpointConfig(local_dir=str(root / "local"), most_recent_k=3), layout)
+        for step in (3, 6, 9):
+            _local_save(tier, step)
+        out.put((rank, retention.own_local_steps(tier.rank_dir, rank, "runA"), tier.sealed))
+        tier.close()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, repr(e), None))
+
+
+def test_every_rank_removes_the_same_steps_when_one_rank_is_short(tmp_path, start_ranks):
+    """2 real ranks (gloo): only rank 0 is short of room at step 9, yet both remove step 3, so no
+    step is left on one rank only (a helper's break-it pass: each rank deciding on its own free space
+    left rank 1's copy of a removed step, and ``checkpoints verify`` exited 1 for it). With
+    most_recent_k=3 retention alone would keep step 3 on both."""
+    procs, out = start_ranks(_two_rank_worker, tmp_path, tmp_path / "store")
+    results = dict((r, (steps, sealed)) for r, steps, sealed in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    assert results[0] == ([6, 9], [3, 6, 9]) and results[1] == ([6, 9], [3, 6, 9]), results
