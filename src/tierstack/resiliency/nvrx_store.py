@@ -25,9 +25,9 @@ when it finds its sibling rank without heartbeats):
    missing one as ``-1``, which the termination barrier leaves out (the dead rank's own monitor
    process enters that barrier for it when it sees the process gone).
 
-For that second fix the store is a Python ``torch.distributed.Store`` (torch calls it from C++
-through its Python store bridge, so NVRx's per-iteration ``PrefixStore`` over it reaches
-:meth:`multi_get`), delegating every operation to a prefix of a TCP store client.
+For that second fix the store is a Python store (:class:`~tierstack.runtime.attempt_store.DelegatingStore`
+over a prefix of a TCP store client), so NVRx's per-iteration ``PrefixStore`` over it reaches
+:meth:`JobStore.multi_get`.
 """
 
 from __future__ import annotations
@@ -36,16 +36,17 @@ import os
 import re
 import time
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess.store import StoreMixin
+
+from tierstack.runtime.attempt_store import DelegatingStore
 
 INITIAL_RANK_WAIT_S = 1.0  # how long a read of initial-rank keys waits for one that is missing
 _INITIAL_RANK_KEY = re.compile("(^|/)" + re.escape(StoreMixin.INITIAL_RANK).replace(r"\{rank\}", r"\d+") + "$")
 
 
-class JobStore(dist.Store, StoreMixin):
+class JobStore(DelegatingStore, StoreMixin):
     """NVRx's store mixin over a client of the job's TCP store (``MASTER_ADDR``/``MASTER_PORT``),
     its keys under ``prefix + "nvrx/"``.
 
@@ -55,10 +56,9 @@ class JobStore(dist.Store, StoreMixin):
     """
 
     def __init__(self, prefix: str, timeout_s: float):
-        super().__init__()
         self.tcp = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
                                  is_master=False, timeout=timedelta(seconds=timeout_s))
-        self.inner = dist.PrefixStore(prefix + "nvrx/", self.tcp)
+        super().__init__(dist.PrefixStore(prefix + "nvrx/", self.tcp))
 
     def termination_barrier(self, ranks, *args, **kwargs):
         """NVRx's termination barrier with ``ranks`` as ints (``b'1'`` -> 1), less the ``-1`` of an
@@ -78,39 +78,9 @@ class JobStore(dist.Store, StoreMixin):
             time.sleep(0.01)
         return [self.inner.get(k) if self.inner.check([k]) else b"-1" for k in keys]
 
-    # Everything else as the TCP store client does it.
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def add(self, key, value):
-        return self.inner.add(key, value)
-
+    # The rest as :class:`DelegatingStore` does it, and NVRx's extended operations too.
     def append(self, key, value):
         self.inner.append(key, value)
 
     def multi_set(self, keys, values):
         self.inner.multi_set(list(keys), list(values))
-
-    def compare_set(self, key, expected, desired):
-        return self.inner.compare_set(key, expected, desired)
-
-    def check(self, keys):
-        return self.inner.check(list(keys))
-
-    def wait(self, keys, timeout: Optional[timedelta] = None):
-        if timeout is None:
-            self.inner.wait(list(keys))
-        else:
-            self.inner.wait(list(keys), timeout)
-
-    def delete_key(self, key):
-        return self.inner.delete_key(key)
-
-    def num_keys(self):
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout):
-        self.inner.set_timeout(timeout)

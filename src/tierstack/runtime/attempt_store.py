@@ -79,7 +79,51 @@ def meet(store: dist.Store, world_size: int, timeout_s: float) -> None:
         time.sleep(_POLL_S)
 
 
-class InterruptibleStore(dist.Store):
+class DelegatingStore(dist.Store):
+    """A Python store that does each operation on ``inner``: the base of a store that changes a few
+    of them (torch calls a Python store from C++ through its Python store bridge, so a C++ store
+    over it, such as a ``PrefixStore``, reaches the changed ones).
+
+    Args:
+        inner: the store it reads and writes.
+    """
+
+    def __init__(self, inner: dist.Store):
+        super().__init__()
+        self.inner = inner
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        return self.inner.check(list(keys))
+
+    def wait(self, keys, timeout: Optional[timedelta] = None):
+        if timeout is None:
+            self.inner.wait(list(keys))
+        else:
+            self.inner.wait(list(keys), timeout)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        self.inner.set_timeout(timeout)
+
+
+class InterruptibleStore(DelegatingStore):
     """A store whose waits for keys run in Python: what an in-process attempt builds its process
     groups on (:func:`use_attempt_store`).
 
@@ -102,8 +146,7 @@ class InterruptibleStore(dist.Store):
     """
 
     def __init__(self, inner: dist.Store, timeout_s: float):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.timeout_s = float(timeout_s)
 
     def _wait(self, keys: list, timeout=None) -> None:
@@ -121,24 +164,6 @@ class InterruptibleStore(dist.Store):
 
     def wait(self, keys, timeout=None):
         self._wait(list(keys), timeout)
-
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def add(self, key, value):
-        return self.inner.add(key, value)
-
-    def check(self, keys):
-        return self.inner.check(keys)
-
-    def compare_set(self, key, expected, desired):
-        return self.inner.compare_set(key, expected, desired)
-
-    def delete_key(self, key):
-        return self.inner.delete_key(key)
-
-    def num_keys(self):
-        return self.inner.num_keys()
 
     def set_timeout(self, timeout):
         self.timeout_s = timeout.total_seconds()

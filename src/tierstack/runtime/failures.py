@@ -42,6 +42,12 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost error ``exc`` was raised from (the last of its ``__cause__``/``__context__`` chain)."""
+    *_, last = _chain(exc)
+    return last
+
+
 def peer_lost(exc: BaseException) -> Optional[str]:
     """Whether ``exc`` is a collective that failed because another rank is gone (or stopped answering).
 

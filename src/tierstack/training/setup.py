@@ -15,6 +15,7 @@ from tierstack import runtime
 from tierstack.config import ConfigContainer, ConfigError
 from tierstack.errors import BadInputError, say_once
 from tierstack.runtime import collectives
+from tierstack.runtime.failures import root_cause
 from tierstack.train_state import TrainState
 
 if TYPE_CHECKING:  # megatron-core and mlflow are slow to import; setup() imports them when it runs
@@ -265,9 +266,7 @@ def _tracker_agreed(cfg: ConfigContainer, fn):
     try:
         out, problem = fn(), None
     except Exception as e:  # noqa: BLE001 - mlflow, sqlalchemy, OSError: all mean the store is unusable
-        root = e
-        while root.__cause__ is not None or root.__context__ is not None:
-            root = root.__cause__ or root.__context__
+        root = root_cause(e)
         uri = cfg.mlflow.tracking_uri or f"sqlite:///{Path(cfg.logger.run_dir).resolve() / 'mlflow.db'}"
         why = (str(root).splitlines() or [repr(root)])[0]
         out, problem = None, (f"mlflow: the tracking store {uri} cannot be used ({type(root).__name__}: "
